@@ -1,0 +1,35 @@
+// moe_route: configuration macros shared by host and device code.
+#pragma once
+
+#define MOE_ROUTE_VERSION_MAJOR 0
+#define MOE_ROUTE_VERSION_MINOR 1
+#define MOE_ROUTE_VERSION_PATCH 0
+
+// One function body serves both backends: under nvcc the per-token math is
+// compiled for host and device, under a plain host compiler it is ordinary C++.
+#if defined(__CUDACC__)
+#define MOE_ROUTE_HD __host__ __device__ __forceinline__
+#define MOE_ROUTE_DEVICE_COMPILE 1
+#else
+#define MOE_ROUTE_HD inline
+#define MOE_ROUTE_DEVICE_COMPILE 0
+#endif
+
+// Kernels get internal linkage: two shared objects built for different GPU
+// architectures must never resolve each other's kernels.
+#if defined(__CUDACC__)
+#define MOE_ROUTE_KERNEL static __global__
+#endif
+
+namespace moe_route {
+
+// Compile-time bounds of the generated code.
+inline constexpr int max_top_k = 32;            // largest K any router may be built with
+inline constexpr int max_experts = 4096;        // largest E of the general path
+inline constexpr int max_fast_path_experts = 512;  // largest register-resident bucket
+
+// A dependent false for readable static_asserts in unsupported specialisations.
+template <class...>
+inline constexpr bool dependent_false = false;
+
+}  // namespace moe_route

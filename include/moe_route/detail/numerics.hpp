@@ -1,0 +1,170 @@
+// moe_route: bit-reproducible float math shared by the CPU and CUDA backends.
+//
+// CPU and CUDA must agree exactly on top-k indices, and selection keys such as
+// sigmoid(z) + bias depend on transcendental functions whose library versions
+// differ between glibc and the CUDA math library. These functions therefore use
+// only IEEE-exact operations (fma, add, mul, div, sqrt with round-to-nearest)
+// in a fixed order. Every product that feeds a sum is written as an explicit
+// fma, so no compiler can change a result by contracting a*b+c on its own
+// (nvcc --fmad, g++ -ffp-contract=fast with -mfma): the result is the same
+// whatever the flags, except --use_fast_math / -ffast-math, which are not
+// supported. tests/numerics_contract.cpp checks this by compiling the same
+// code with and without contraction.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+
+#include "../config.hpp"
+
+namespace moe_route::detail {
+
+MOE_ROUTE_HD float bits_to_float(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+MOE_ROUTE_HD std::uint32_t float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+inline constexpr float float_max = 3.402823466e+38f;
+MOE_ROUTE_HD float infinity() { return bits_to_float(0x7f800000u); }
+
+MOE_ROUTE_HD bool is_nan(float x) { return x != x; }
+MOE_ROUTE_HD bool is_finite(float x) { return x - x == 0.0f; }
+
+// IEEE fused multiply-add, rounded once, on every backend.
+MOE_ROUTE_HD float fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+// IEEE division and square root even if a translation unit is built with
+// approximate division (nvcc -prec-div=false).
+MOE_ROUTE_HD float div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+MOE_ROUTE_HD float sqrt(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
+MOE_ROUTE_HD float max(float a, float b) { return a < b ? b : a; }
+
+// e^x with error below one ulp in the normal range. NaN propagates, results
+// that would overflow are +inf, and results below the smallest normal float
+// (x < -87) are flushed to 0 so the final scaling is always exact.
+MOE_ROUTE_HD float exp(float x) {
+  if (is_nan(x)) return x;
+  if (x >= 88.72283172607421875f) return infinity();
+  if (x < -87.0f) return 0.0f;
+  // n = round(x / ln 2) by the 1.5 * 2^23 shifter; r = x - n ln 2 in two steps.
+  const float shifter = 12582912.0f;
+  const float n = fma(x, 1.44269502162933349609375f, shifter) - shifter;
+  float r = fma(n, -0.693145751953125f, x);
+  r = fma(n, -1.428606765330187045e-06f, r);
+  // Taylor polynomial of degree 7 on |r| <= 0.35: truncation below 0.05 ulp.
+  float p = 1.98412698412698412e-04f;
+  p = fma(p, r, 1.38888888888888889e-03f);
+  p = fma(p, r, 8.33333333333333333e-03f);
+  p = fma(p, r, 4.16666666666666667e-02f);
+  p = fma(p, r, 1.66666666666666667e-01f);
+  p = fma(p, r, 0.5f);
+  p = fma(p, r, 1.0f);
+  p = fma(p, r, 1.0f);
+  int e = static_cast<int>(n);
+  if (e > 127) {  // x close to the overflow threshold: scale in two exact steps
+    p = p * 2.0f;
+    e -= 1;
+  }
+  return p * bits_to_float(static_cast<std::uint32_t>(e + 127) << 23);
+}
+
+// log(1 + u) for u in [0, 1] with a relative error of about one ulp, also
+// for tiny u: log1p(u) = 2 atanh(s), s = u / (2 + u) in [0, 1/3].
+MOE_ROUTE_HD float log1p_unit(float u) {
+  const float s = div(u, 2.0f + u);
+  const float s2 = s * s;
+  float p = 1.0f / 15.0f;
+  p = fma(p, s2, 1.0f / 13.0f);
+  p = fma(p, s2, 1.0f / 11.0f);
+  p = fma(p, s2, 1.0f / 9.0f);
+  p = fma(p, s2, 1.0f / 7.0f);
+  p = fma(p, s2, 1.0f / 5.0f);
+  p = fma(p, s2, 1.0f / 3.0f);
+  const float half = fma(s * s2, p, s);
+  return half + half;
+}
+
+// Logistic function, accurate in relative terms on both tails.
+MOE_ROUTE_HD float sigmoid(float x) {
+  const float t = exp(x < 0.0f ? x : -x);  // e^{-|x|}, in [0, 1]
+  const float d = 1.0f + t;
+  return x < 0.0f ? div(t, d) : div(1.0f, d);
+}
+
+// softplus(x) = max(x, 0) + log(1 + e^{-|x|}).
+MOE_ROUTE_HD float softplus(float x) {
+  const float ax = x < 0.0f ? -x : x;
+  return max(x, 0.0f) + log1p_unit(exp(-ax));
+}
+
+// The value every policy computes with: NaN becomes -inf (it never wins and
+// contributes nothing), +-inf saturate to +-FLT_MAX (the limit of a huge logit).
+MOE_ROUTE_HD float sanitize(float z) {
+  if (is_nan(z)) return -infinity();
+  if (z > float_max) return float_max;
+  if (z < -float_max) return -float_max;
+  return z;
+}
+
+// A selection key packed with its expert index so that one unsigned maximum
+// orders by key (descending) and then by index (ascending). Key 0 is below
+// every real key and marks "no candidate". -0.0 and +0.0 compare equal.
+MOE_ROUTE_HD std::uint64_t pack_key(float key, int expert) {
+  std::uint32_t u = float_to_bits(key == 0.0f ? 0.0f : key);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<std::uint64_t>(u) << 32) | (0xffffffffu - static_cast<std::uint32_t>(expert));
+}
+
+MOE_ROUTE_HD int packed_expert(std::uint64_t packed) {
+  return static_cast<int>(0xffffffffu - static_cast<std::uint32_t>(packed));
+}
+
+MOE_ROUTE_HD float packed_value(std::uint64_t packed) {
+  std::uint32_t u = static_cast<std::uint32_t>(packed >> 32);
+  u = (u & 0x80000000u) ? (u & 0x7fffffffu) : ~u;
+  return bits_to_float(u);
+}
+
+// The canonical order of a row reduction: 32 lanes, lane l accumulates the
+// elements e = l, l + 32, l + 64, ... in order, then the lanes combine by the
+// butterfly 16, 8, 4, 2, 1. A CUDA warp computes exactly this; the CPU backend
+// replays it, so row sums agree bit for bit between backends.
+inline constexpr int reduction_lanes = 32;
+
+}  // namespace moe_route::detail

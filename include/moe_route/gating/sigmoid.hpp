@@ -1,0 +1,23 @@
+// moe_route: sigmoid gating (DeepSeek-V3, Moonlight). POLICIES.md section 1.
+#pragma once
+
+#include "../detail/numerics.hpp"
+#include "gating.hpp"
+
+namespace moe_route::gating {
+
+// s_e = 1 / (1 + exp(-z_e)); ds/dz = s (1 - s). Gates are normalised by default.
+struct sigmoid {
+  static constexpr kind shape = kind::elementwise;
+  static constexpr bool normalize_by_default = true;
+  static constexpr const char* name = "sigmoid";
+
+  MOE_ROUTE_HD static float score(float v) { return detail::sigmoid(v); }
+  // ds/dz at a logit whose score is s.
+  MOE_ROUTE_HD static float derivative(float /*v*/, float s) { return s * (1.0f - s); }
+};
+
+template <>
+inline constexpr bool is_gating<sigmoid> = true;
+
+}  // namespace moe_route::gating

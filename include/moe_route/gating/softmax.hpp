@@ -1,0 +1,24 @@
+// moe_route: softmax gating (DeepSeek-V2, Qwen3). POLICIES.md section 1.
+#pragma once
+
+#include "../detail/numerics.hpp"
+#include "gating.hpp"
+
+namespace moe_route::gating {
+
+// s_e = exp(z_e - max z) / sum_j exp(z_j - max z); VJP: dz = s * (ds - <ds, s>).
+// The row sum runs in the canonical 32-lane order (detail/numerics.hpp), so the
+// CPU and CUDA backends produce the same bits.
+struct softmax {
+  static constexpr kind shape = kind::row_softmax;
+  static constexpr bool normalize_by_default = false;
+  static constexpr const char* name = "softmax";
+
+  // The unnormalised term of expert e given the row maximum.
+  MOE_ROUTE_HD static float term(float v, float row_max) { return detail::exp(v - row_max); }
+};
+
+template <>
+inline constexpr bool is_gating<softmax> = true;
+
+}  // namespace moe_route::gating

@@ -1,0 +1,2 @@
+#define NAME fused
+#include "kernels.inc"

@@ -1,0 +1,2 @@
+#define NAME unfused
+#include "kernels.inc"
