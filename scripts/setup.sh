@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what moe_route's build, tests, benchmarks and examples need from
+# Debian 12 packages. Idempotent: packages already present are left alone.
+set -euo pipefail
+
+packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libtorch-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+  echo "setup: all packages present"
+fi
