@@ -1,0 +1,155 @@
+// moe_route: expert-choice selection on the CPU (admission/expert_choice.hpp).
+//
+//   cpu::expert_choice(policy, expert_choice_inputs, expert_choice_outputs, execution)
+//   cpu::expert_choice_backward(expert_choice_inputs, indices, grad_gates, grad_logits, execution)
+//
+// The reference cuda::expert_choice matches bit for bit: scores from the
+// canonical softmax, every expert's candidates ranked by the 64-bit key
+// (s_{t,e} desc, token asc), the top C_e kept.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "../../admission/admission.hpp"
+#include "../../admission/expert_choice.hpp"
+#include "../../admission/scores.hpp"
+#include "../../admission/validate.hpp"
+#include "../../detail/numerics.hpp"
+#include "../../gating/softmax.hpp"
+#include "admission.hpp"
+
+namespace moe_route::cpu {
+
+template <class T>
+expert_choice_report expert_choice(const selection::expert_choice& p, const expert_choice_inputs<T>& in,
+                                   const expert_choice_outputs& out, execution ex = {}) {
+  namespace ad = admission_detail;
+  namespace num = moe_route::detail;
+  using namespace moe_route::admission;
+  admission::detail::validate_expert_choice(p, in, out);
+  admission::detail::validate_expert_choice_data(in);
+  const std::int64_t n_tokens = in.num_tokens;
+  const int e_count = in.num_experts;
+  const std::int64_t pairs = n_tokens * e_count;
+  expert_choice_report rep;
+  if (n_tokens == 0) {
+    if (out.report != nullptr) *out.report = rep;
+    return rep;
+  }
+  const int groups = in.num_groups;
+  auto group_of = [&](std::int64_t t) { return in.group_ids != nullptr ? in.group_ids[t] : 0; };
+
+  // Scores s_{t,e}.
+  std::vector<float> score(static_cast<std::size_t>(pairs));
+  const int threads = ad::resolve_threads(ex, n_tokens, 256);
+  ad::parallel_blocks(n_tokens, threads, [&](std::int64_t begin, std::int64_t end, int) {
+    ad::row_buffers buf(e_count);
+    for (std::int64_t t = begin; t < end; ++t) {
+      ad::sanitized_row(in.logits + t * e_count, e_count, buf.v.data());
+      const row_stats st = softmax_row_stats(buf.v.data(), e_count, buf.t.data());
+      for (int e = 0; e < e_count; ++e) score[t * e_count + e] = gate_input<gating::softmax>(buf.v[e], st);
+    }
+  });
+
+  // The tokens of every group, in token order.
+  std::vector<std::int64_t> group_start(static_cast<std::size_t>(groups) + 1, 0);
+  for (std::int64_t t = 0; t < n_tokens; ++t) ++group_start[group_of(t) + 1];
+  for (int g = 0; g < groups; ++g) group_start[g + 1] += group_start[g];
+  std::vector<std::int32_t> members(static_cast<std::size_t>(n_tokens));
+  {
+    std::vector<std::int64_t> cursor(group_start.begin(), group_start.end() - 1);
+    for (std::int64_t t = 0; t < n_tokens; ++t) members[cursor[group_of(t)]++] = static_cast<std::int32_t>(t);
+  }
+
+  // Every (group, expert) keeps its top C_e tokens.
+  std::vector<unsigned char> chosen(static_cast<std::size_t>(pairs), 0);
+  const int e_threads = ad::resolve_threads(ex, e_count, 8);
+  ad::parallel_blocks(e_count, e_threads, [&](std::int64_t begin, std::int64_t end, int) {
+    std::vector<std::uint64_t> keys;
+    for (int g = 0; g < groups; ++g) {
+      const std::int64_t size = group_start[g + 1] - group_start[g];
+      if (size == 0) continue;
+      const std::int64_t factor_cap = capacity_from_factor(p.capacity_factor, p.min_capacity, size, p.top_k, e_count);
+      for (std::int64_t e = begin; e < end; ++e) {
+        const std::int64_t cap = std::min(size, in.capacity != nullptr ? in.capacity[e] : factor_cap);
+        if (cap <= 0) continue;
+        keys.resize(static_cast<std::size_t>(size));
+        for (std::int64_t i = 0; i < size; ++i) {
+          const std::int64_t t = members[group_start[g] + i];
+          keys[i] = rank_key(score[t * e_count + e], t);
+        }
+        if (cap < size)
+          std::nth_element(keys.begin(), keys.begin() + cap, keys.end(), [](std::uint64_t a, std::uint64_t b) { return a > b; });
+        for (std::int64_t i = 0; i < cap; ++i) chosen[static_cast<std::int64_t>(num::packed_expert(keys[i])) * e_count + e] = 1;
+      }
+    }
+  });
+
+  // Token-major output, ascending expert order.
+  std::vector<std::int64_t> per_token(static_cast<std::size_t>(n_tokens));
+  ad::parallel_blocks(n_tokens, threads, [&](std::int64_t begin, std::int64_t end, int) {
+    for (std::int64_t t = begin; t < end; ++t) {
+      int c = 0;
+      for (int e = 0; e < e_count; ++e)
+        if (chosen[t * e_count + e]) {
+          out.indices[t * e_count + c] = e;
+          out.gates[t * e_count + c] = score[t * e_count + e];
+          ++c;
+        }
+      for (int j = c; j < e_count; ++j) {
+        out.indices[t * e_count + j] = -1;
+        out.gates[t * e_count + j] = 0.0f;
+      }
+      if (out.experts_per_token != nullptr) out.experts_per_token[t] = c;
+      per_token[t] = c;
+    }
+  });
+  for (std::int64_t t = 0; t < n_tokens; ++t) {
+    rep.assignments += per_token[t];
+    rep.tokens_without_experts += per_token[t] == 0;
+    rep.max_experts_per_token = std::max(rep.max_experts_per_token, per_token[t]);
+  }
+  if (out.report != nullptr) *out.report = rep;
+  return rep;
+}
+
+// dL/dz [N x E] (overwritten) from dL/dgates [N x E] of an expert_choice
+// result: dz_t = s_t * (ds - <ds, s_t>), ds = the gate gradients at the
+// chosen experts (entries with index -1 are ignored), the dot in row order.
+template <class T>
+void expert_choice_backward(const expert_choice_inputs<T>& in, const std::int32_t* indices, const float* grad_gates,
+                            float* grad_logits, execution ex = {}) {
+  namespace ad = admission_detail;
+  namespace num = moe_route::detail;
+  using namespace moe_route::admission;
+  if (in.num_tokens < 0) num::fail("num_tokens must be >= 0");
+  if (in.num_experts < 1 || in.num_experts > max_experts) num::fail("num_experts must be in [1, max_experts]");
+  if (in.num_tokens == 0) return;
+  if (in.logits == nullptr || indices == nullptr || grad_gates == nullptr || grad_logits == nullptr)
+    num::fail("expert_choice_backward: logits, indices, grad_gates and grad_logits must not be null");
+  const int e_count = in.num_experts;
+  for (std::int64_t s = 0; s < in.num_tokens * e_count; ++s)
+    if (indices[s] < -1 || indices[s] >= e_count)
+      num::fail("indices[" + std::to_string(s) + "] must be -1 or an expert in [0, num_experts)");
+  ad::parallel_blocks(in.num_tokens, ad::resolve_threads(ex, in.num_tokens, 256),
+                      [&](std::int64_t begin, std::int64_t end, int) {
+    ad::row_buffers buf(e_count);
+    for (std::int64_t t = begin; t < end; ++t) {
+      ad::sanitized_row(in.logits + t * e_count, e_count, buf.v.data());
+      const row_stats st = softmax_row_stats(buf.v.data(), e_count, buf.t.data());
+      const std::int32_t* idx = indices + t * e_count;
+      const float* dg = grad_gates + t * e_count;
+      float* dz = grad_logits + t * e_count;
+      float dot = 0.0f;
+      for (int j = 0; j < e_count; ++j)
+        if (idx[j] >= 0) dot = num::fma(dg[j], gate_input<gating::softmax>(buf.v[idx[j]], st), dot);
+      for (int e = 0; e < e_count; ++e) dz[e] = gate_input<gating::softmax>(buf.v[e], st) * -dot;
+      for (int j = 0; j < e_count; ++j)
+        if (idx[j] >= 0) dz[idx[j]] = gate_input<gating::softmax>(buf.v[idx[j]], st) * (dg[j] - dot);
+    }
+  });
+}
+
+}  // namespace moe_route::cpu
