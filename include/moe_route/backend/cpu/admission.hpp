@@ -73,8 +73,9 @@ void sanitized_row(const T* z, int n, float* v) {
 // Per-worker scratch of one token row.
 struct row_buffers {
   std::vector<float> v, t, aff;
+  std::vector<std::uint64_t> keys;
   std::vector<unsigned char> mark;
-  explicit row_buffers(int e) : v(e), t(e), aff(e), mark(e, 0) {}
+  explicit row_buffers(int e) : v(e), t(e), aff(e), keys(e), mark(e, 0) {}
 };
 
 // The (group, expert) segments of a list of slots: a stable counting sort of
@@ -209,9 +210,11 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
       std::vector<std::int64_t> fill(groups);
       for (int g = 0; g < groups; ++g)
         fill[g] = capacity_from_factor(p.overflow.fill_factor, 0, group_tokens[g], k, e_count);
-      auto limit = [&](std::int64_t seg) {
-        return std::min(fill[seg / e_count], capacity(static_cast<int>(seg / e_count), static_cast<int>(seg % e_count)));
-      };
+      std::vector<std::int64_t> limit_of(static_cast<std::size_t>(segments));
+      for (std::int64_t seg = 0; seg < segments; ++seg)
+        limit_of[seg] = std::min(fill[seg / e_count], capacity(static_cast<int>(seg / e_count), static_cast<int>(seg % e_count)));
+      auto limit = [&](std::int64_t seg) { return limit_of[seg]; };
+      std::vector<unsigned char> open(static_cast<std::size_t>(segments));  // load < limit at the start of the round
       std::vector<std::int64_t> pending_tokens;
       for (std::int64_t t = 0; t < n_tokens; ++t)
         for (int j = 0; j < k; ++j)
@@ -221,6 +224,11 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
           }
       std::vector<std::int32_t> proposal(static_cast<std::size_t>(slots), -1);
       for (int round = 0; round < rounds && !pending_tokens.empty(); ++round) {
+        std::vector<std::int64_t> open_in_group(groups, 0);
+        for (std::int64_t seg = 0; seg < segments; ++seg) {
+          open[seg] = load[seg] < limit_of[seg];
+          open_in_group[seg / e_count] += open[seg];
+        }
         // 3a. Proposals, per token, against the loads at the start of the round.
         const int pt_threads = ad::resolve_threads(ex, static_cast<std::int64_t>(pending_tokens.size()), 64);
         ad::parallel_blocks(static_cast<std::int64_t>(pending_tokens.size()), pt_threads,
@@ -229,13 +237,22 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
           for (std::int64_t i = begin; i < end; ++i) {
             const std::int64_t t = pending_tokens[i];
             const int g = group_of(t);
+            if (open_in_group[g] == 0) {  // every expert of the group is at its limit: no proposal
+              for (int j = 0; j < k; ++j) proposal[t * k + j] = -1;
+              continue;
+            }
             const T* z = in.logits + t * e_count;
             ad::sanitized_row(z, e_count, buf.v.data());
             row_stats st;
             if constexpr (aff_row) st = softmax_row_stats(buf.v.data(), e_count, buf.t.data());
             const float xn = A::needs_norms ? in.hidden_norms[t] : 1.0f;
-            for (int e = 0; e < e_count; ++e)
+            // Candidate keys (affinity desc, expert asc) of the experts with room
+            // and a >= tau; 0 = not a candidate.
+            const unsigned char* open_g = open.data() + static_cast<std::int64_t>(g) * e_count;
+            for (int e = 0; e < e_count; ++e) {
               buf.aff[e] = affinity_value<A, G>(buf.v[e], st, xn, A::needs_norms ? in.weight_norms[e] : 1.0f);
+              buf.keys[e] = open_g[e] && !(buf.aff[e] < tau) ? num::pack_key(buf.aff[e], e) : 0;
+            }
             for (int j = 0; j < k; ++j) {
               const std::uint8_t s = state[t * k + j] & state_status_mask;
               if (s == state_kept || s == state_rerouted) buf.mark[target[t * k + j]] = 1;
@@ -246,10 +263,8 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
               if ((state[s] & state_status_mask) != state_pending) continue;
               std::uint64_t best = 0;
               for (int e = 0; e < e_count; ++e) {
-                if (buf.mark[e] || buf.aff[e] < tau) continue;
-                const std::int64_t seg = static_cast<std::int64_t>(g) * e_count + e;
-                if (load[seg] >= limit(seg)) continue;
-                best = std::max(best, num::pack_key(buf.aff[e], e));
+                const std::uint64_t candidate = buf.mark[e] ? 0 : buf.keys[e];
+                best = candidate > best ? candidate : best;
               }
               if (best == 0) continue;
               const int e = num::packed_expert(best);
