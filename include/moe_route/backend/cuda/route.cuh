@@ -1,0 +1,119 @@
+// moe_route CUDA backend: the public API (namespace moe_route::cuda).
+//
+//   cuda::route(router, inputs, outputs, stream)       forward: indices and gates
+//   cuda::backward(router, inputs, args, stream)       fused backward: dL/dz
+//   cuda::update_expert_bias(policy, bias, loads, E, stream)
+//
+// Same arguments and the same bits as moe_route::cpu (backend/cpu/route.hpp);
+// all pointers are device pointers. Every call validates its arguments on the
+// host first (moe_route::error, nothing launched), then launches on `stream`:
+// no allocation, no synchronisation, no hidden state. A launch that fails
+// throws cuda_error. Results are deterministic run to run.
+//
+// Logits may be float, moe_route::bfloat16, moe_route::float16, or CUDA's
+// __nv_bfloat16 / __half: those have the same layout as the library's storage
+// types, so route_inputs<__nv_bfloat16> is accepted and its pointer is read as
+// moe_route::bfloat16 (and __half as moe_route::float16).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../../router.hpp"
+#include "../../selection/expert_bias.hpp"
+#include "../../types.hpp"
+#include "../../validate.hpp"
+#include "agent_common.cuh"
+#include "dispatch.cuh"
+#include "error.cuh"
+#include "kernels.cuh"
+#include "tuning.cuh"
+
+namespace moe_route::detail {
+// CUDA's 16-bit types are accepted as logits wherever the CUDA backend is included.
+template <>
+inline constexpr bool is_logit_type<__nv_bfloat16> = true;
+template <>
+inline constexpr bool is_logit_type<__half> = true;
+}  // namespace moe_route::detail
+
+namespace moe_route::cuda {
+
+namespace detail {
+
+template <class T>
+struct storage {
+  using type = T;
+};
+template <>
+struct storage<__nv_bfloat16> {
+  using type = bfloat16;
+};
+template <>
+struct storage<__half> {
+  using type = float16;
+};
+template <class T>
+using storage_t = typename storage<T>::type;
+
+static_assert(sizeof(__nv_bfloat16) == sizeof(bfloat16) && alignof(__nv_bfloat16) >= alignof(bfloat16),
+              "__nv_bfloat16 and moe_route::bfloat16 must share a layout");
+static_assert(sizeof(__half) == sizeof(float16) && alignof(__half) >= alignof(float16),
+              "__half and moe_route::float16 must share a layout");
+
+template <class T>
+const storage_t<T>* storage_pointer(const T* p) {
+  return reinterpret_cast<const storage_t<T>*>(p);
+}
+
+}  // namespace detail
+
+// Forward: out.indices[N x K] (descending key order, ties to the lower expert)
+// and out.gates[N x K]; if out.nonfinite_rows is set, the number of rows with a
+// NaN or +-inf logit is added to that device counter.
+template <class Router, class T>
+void route(const Router& r, const route_inputs<T>& in, const route_outputs& out, cudaStream_t stream = 0) {
+  static_assert(is_router<Router>, "cuda::route: the first argument must be a moe_route::router");
+  moe_route::detail::validate_route(r, in, out);
+  if (in.num_tokens == 0) return;
+  using S = detail::storage_t<T>;
+  detail::route_params<S> p{detail::storage_pointer(in.logits), in.num_tokens, in.num_experts, in.expert_bias,
+                            out.indices, out.gates, detail::make_group_layout(r, in.num_experts)};
+  detail::dispatch_route(r, p, out.nonfinite_rows, stream);
+}
+
+// Fused backward: args.grad_logits[N x E] (overwritten) from args.grad_gates
+// [N x K] and the forward's args.indices. Entries of indices outside [0, E)
+// are ignored on the device (agent_backward.cuh); the CPU backend rejects them.
+template <class Router, class T>
+void backward(const Router& r, const route_inputs<T>& in, const backward_args& args, cudaStream_t stream = 0) {
+  static_assert(is_router<Router>, "cuda::backward: the first argument must be a moe_route::router");
+  moe_route::detail::validate_backward(r, in, args);
+  if (in.num_tokens == 0) return;
+  using S = detail::storage_t<T>;
+  detail::backward_params<S> p{detail::storage_pointer(in.logits), in.num_tokens, in.num_experts,
+                               args.indices, args.grad_gates, args.grad_logits};
+  detail::dispatch_backward(r, p, stream);
+}
+
+// selection::expert_bias::update on the device: bias[e] += u * sign(mean - loads[e])
+// with the mean summed in double in expert order, as on the host, so the two
+// agree bit for bit. One single-block kernel on `stream`; Load is any
+// arithmetic type (counts or load measures, all-reduced by the caller).
+template <class Load>
+void update_expert_bias(const selection::expert_bias& policy, float* bias, const Load* loads, int num_experts,
+                        cudaStream_t stream = 0) {
+  static_assert(std::is_arithmetic_v<Load>, "cuda::update_expert_bias: loads must be an arithmetic type");
+  if (num_experts <= 0) moe_route::detail::fail("cuda::update_expert_bias: num_experts must be positive");
+  if (bias == nullptr) moe_route::detail::fail("cuda::update_expert_bias: bias is null");
+  if (loads == nullptr) moe_route::detail::fail("cuda::update_expert_bias: loads is null");
+  detail::expert_bias_update_kernel<Load>
+      <<<1, tuning::bias_update_threads, 0, stream>>>(bias, loads, num_experts, policy.update_rate);
+  detail::check_launch("moe_route::cuda::update_expert_bias: launch of the update kernel");
+}
+
+}  // namespace moe_route::cuda

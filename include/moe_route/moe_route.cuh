@@ -1,0 +1,7 @@
+// moe_route: the CUDA umbrella header. Everything in moe_route.hpp (policies,
+// router, presets, CPU backend) plus the CUDA backend, moe_route::cuda.
+// Include from .cu files compiled by nvcc (target moe_route::cuda).
+#pragma once
+
+#include "moe_route.hpp"
+#include "backend/cuda/route.cuh"

@@ -1,0 +1,789 @@
+// GPU parity tests: moe_route::cuda against moe_route::cpu on identical inputs.
+// Indices, gates and grad_logits must be equal bit for bit (memcmp), non-finite
+// row counts equal. Without a CUDA device every GPU test case is skipped
+// (doctest skip, reported in the summary and by one printed line); the host-only
+// checks (argument validation, error type) run everywhere.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <moe_route/moe_route.cuh>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace mr = moe_route;
+namespace sel = moe_route::selection;
+namespace gat = moe_route::gating;
+
+namespace {
+
+bool has_device() {
+  static const bool present = [] {
+    int n = 0;
+    const bool ok = cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+    cudaGetLastError();  // clear the error of a machine without a driver or device
+    return ok;
+  }();
+  return present;
+}
+
+int& gpu_case_count() {
+  static int n = 0;
+  return n;
+}
+int count_gpu_case() { return ++gpu_case_count(); }
+
+}  // namespace
+
+// A test case that needs a CUDA device: skipped, visibly, without one.
+#define GPU_TEST_CASE(name)                                                  \
+  static const int DOCTEST_ANONYMOUS(moe_route_gpu_case_) = count_gpu_case(); \
+  TEST_CASE(name * doctest::skip(!has_device()))
+
+#define CUDA_REQUIRE(call)                                                                  \
+  do {                                                                                      \
+    const cudaError_t moe_route_status_ = (call);                                           \
+    INFO(#call << ": " << cudaGetErrorString(moe_route_status_));                           \
+    REQUIRE(moe_route_status_ == cudaSuccess);                                              \
+  } while (0)
+
+namespace {
+
+// ---------------------------------------------------------------- buffers
+
+template <class T>
+class device_buffer {
+ public:
+  explicit device_buffer(std::size_t n) : n_(n) {
+    if (n_ > 0) CUDA_REQUIRE(cudaMalloc(&ptr_, n_ * sizeof(T)));
+  }
+  explicit device_buffer(const std::vector<T>& host) : device_buffer(host.size()) {
+    if (n_ > 0) CUDA_REQUIRE(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  ~device_buffer() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  device_buffer(const device_buffer&) = delete;
+  device_buffer& operator=(const device_buffer&) = delete;
+
+  T* get() const { return ptr_; }
+  std::vector<T> to_host() const {
+    std::vector<T> h(n_);
+    if (n_ > 0) CUDA_REQUIRE(cudaMemcpy(h.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+  // Fills every byte with `byte` (a sentinel the kernels must overwrite).
+  void poison(int byte = 0x7f) {
+    if (n_ > 0) CUDA_REQUIRE(cudaMemset(ptr_, byte, n_ * sizeof(T)));
+    CUDA_REQUIRE(cudaDeviceSynchronize());
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  std::size_t n_;
+};
+
+class stream_guard {
+ public:
+  // A blocking stream: ordered with the synchronous copies on the legacy default stream.
+  stream_guard() { CUDA_REQUIRE(cudaStreamCreate(&s_)); }
+  ~stream_guard() { cudaStreamDestroy(s_); }
+  stream_guard(const stream_guard&) = delete;
+  stream_guard& operator=(const stream_guard&) = delete;
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_{};
+};
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
+// Index of the first differing element, or -1.
+template <class T>
+std::int64_t first_difference(const std::vector<T>& a, const std::vector<T>& b) {
+  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) return static_cast<std::int64_t>(i);
+  return a.size() == b.size() ? -1 : static_cast<std::int64_t>(std::min(a.size(), b.size()));
+}
+
+// ---------------------------------------------------------------- inputs
+
+template <class T>
+T make(float x);
+template <>
+float make<float>(float x) {
+  return x;
+}
+template <>
+mr::bfloat16 make<mr::bfloat16>(float x) {
+  return mr::bfloat16::from_float(x);
+}
+template <>
+mr::float16 make<mr::float16>(float x) {
+  return mr::float16::from_float(x);
+}
+
+// A small fast generator (splitmix64): the large sweeps make many rows.
+struct fast_rng {
+  std::uint64_t state;
+  std::uint64_t next() {
+    std::uint64_t x = (state += 0x9e3779b97f4a7c15ull);
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+  }
+  // Roughly normal (sum of four uniforms), scale about 2.
+  float normalish() {
+    const std::uint64_t x = next();
+    const int s = static_cast<int>(x & 0xffff) + static_cast<int>((x >> 16) & 0xffff) +
+                  static_cast<int>((x >> 32) & 0xffff) + static_cast<int>(x >> 48) - 2 * 65535;
+    return static_cast<float>(s) * (2.0f / 37837.0f);
+  }
+};
+
+// Random rows plus adversarial ones, cycling through kinds by row: NaN,
+// +-inf, all equal, many ties, all NaN, +-FLT_MAX, signed zeros, wide range,
+// -inf, one clear winner.
+template <class T>
+std::vector<T> make_logits(std::mt19937& g, std::int64_t N, int E) {
+  fast_rng rng{g()};
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float big = std::numeric_limits<float>::max();
+  std::vector<T> z(static_cast<std::size_t>(N) * E);
+  for (std::int64_t t = 0; t < N; ++t) {
+    const int kind = static_cast<int>(t % 12);
+    for (int e = 0; e < E; ++e) {
+      float x = rng.normalish();
+      switch (kind) {
+        case 1: if (e % 5 == 1) x = nan; break;
+        case 2: if (e == 3 % E) x = inf; if (e == 7 % E) x = -inf; break;
+        case 3: x = 0.5f; break;
+        case 4: x = std::round(x * 2.0f) / 2.0f; break;
+        case 5: x = nan; break;
+        case 6: x = e % 4 == 0 ? big : e % 4 == 1 ? -big : e % 4 == 2 ? inf : x; break;
+        case 7: x = e % 2 ? 0.0f : -0.0f; break;
+        case 8: x *= 40.0f; break;
+        case 9: if (e % 3 == 0) x = -inf; break;
+        case 10: x = e == E - 1 ? 3.0f : x - 100.0f; break;
+        default: break;
+      }
+      z[static_cast<std::size_t>(t) * E + e] = make<T>(x);
+    }
+  }
+  return z;
+}
+
+// Small biases on a 1/64 grid, so biased keys tie now and then.
+std::vector<float> make_bias(std::mt19937& g, int E) {
+  std::uniform_int_distribution<int> step(-8, 8);
+  std::vector<float> b(E);
+  for (float& x : b) x = static_cast<float>(step(g)) / 64.0f;
+  return b;
+}
+
+std::vector<float> make_grad(std::mt19937& g, std::size_t n) {
+  fast_rng rng{g()};
+  std::vector<float> d(n);
+  for (std::size_t i = 0; i < n; ++i) d[i] = i % 7 == 3 ? 0.0f : 0.5f * rng.normalish();
+  return d;
+}
+
+// ---------------------------------------------------------------- parity
+
+// Runs cpu:: and cuda:: forward and backward on the same inputs and requires
+// identical bits.
+template <class Router, class T>
+void check_parity(const Router& r, int E, std::int64_t N, std::mt19937& g, cudaStream_t stream,
+                  const std::string& what) {
+  CAPTURE(what);
+  CAPTURE(E);
+  CAPTURE(N);
+  CAPTURE(r.top_k);
+  const int K = r.top_k;
+  const std::size_t nk = static_cast<std::size_t>(N) * K, ne = static_cast<std::size_t>(N) * E;
+  const auto z = make_logits<T>(g, N, E);
+  const auto bias = make_bias(g, E);
+  const bool needs_bias = Router::selection_type::needs_expert_bias;
+
+  // CPU reference (all host threads; bit-identical to the sequential path).
+  std::vector<std::int32_t> cpu_idx(nk);
+  std::vector<float> cpu_gates(nk);
+  const mr::route_inputs<T> host_in{z.data(), N, E, needs_bias ? bias.data() : nullptr};
+  const mr::route_report report =
+      mr::cpu::route(r, host_in, mr::route_outputs{cpu_idx.data(), cpu_gates.data()}, mr::cpu::execution{0});
+  const auto grad = make_grad(g, nk);
+  std::vector<float> cpu_dz(ne);
+  mr::cpu::backward(r, host_in, mr::backward_args{cpu_idx.data(), grad.data(), cpu_dz.data()},
+                    mr::cpu::execution{0});
+
+  // GPU.
+  device_buffer<T> dz_in(z);
+  device_buffer<float> dbias(bias);
+  device_buffer<std::int32_t> didx(nk);
+  device_buffer<float> dgates(nk);
+  device_buffer<std::int64_t> dcount(1);
+  didx.poison();
+  dgates.poison();
+  CUDA_REQUIRE(cudaMemsetAsync(dcount.get(), 0, sizeof(std::int64_t), stream));
+  const mr::route_inputs<T> dev_in{dz_in.get(), N, E, needs_bias ? dbias.get() : nullptr};
+  mr::cuda::route(r, dev_in, mr::route_outputs{didx.get(), dgates.get(), dcount.get()}, stream);
+  CUDA_REQUIRE(cudaStreamSynchronize(stream));
+  const auto gpu_idx = didx.to_host();
+  const auto gpu_gates = dgates.to_host();
+  const auto gpu_count = dcount.to_host();
+  CHECK_MESSAGE(same_bits(gpu_idx, cpu_idx), "indices differ first at " << first_difference(gpu_idx, cpu_idx));
+  CHECK_MESSAGE(same_bits(gpu_gates, cpu_gates), "gates differ first at " << first_difference(gpu_gates, cpu_gates));
+  CHECK(gpu_count[0] == report.nonfinite_rows);
+
+  device_buffer<std::int32_t> bidx(cpu_idx);
+  device_buffer<float> dgrad(grad);
+  device_buffer<float> ddz(ne);
+  ddz.poison();
+  mr::cuda::backward(r, dev_in, mr::backward_args{bidx.get(), dgrad.get(), ddz.get()}, stream);
+  CUDA_REQUIRE(cudaStreamSynchronize(stream));
+  const auto gpu_dz = ddz.to_host();
+  CHECK_MESSAGE(same_bits(gpu_dz, cpu_dz), "grad_logits differ first at " << first_difference(gpu_dz, cpu_dz));
+
+  // Determinism: a second forward gives the same bits.
+  mr::cuda::route(r, dev_in, mr::route_outputs{didx.get(), dgates.get()}, stream);
+  CUDA_REQUIRE(cudaStreamSynchronize(stream));
+  CHECK(same_bits(didx.to_host(), gpu_idx));
+  CHECK(same_bits(dgates.to_host(), gpu_gates));
+}
+
+// Group configurations (groups, top_groups, per_group_k) tried for each E.
+std::vector<std::array<int, 3>> group_configs(int E) {
+  switch (E) {
+    case 8: return {{4, 2, 2}, {8, 3, 1}};
+    case 64: return {{8, 4, 2}, {2, 1, 3}};
+    case 100: return {{5, 2, 2}, {4, 3, 2}};
+    case 128: return {{16, 5, 2}};
+    case 256: return {{8, 4, 2}, {8, 1, 4}};
+    case 384: return {{12, 4, 2}, {6, 2, 3}};
+    case 512: return {{32, 4, 2}, {8, 3, 2}};
+    case 1000: return {{8, 4, 2}, {20, 7, 1}};
+    case 4096: return {{32, 4, 2}, {16, 2, 2}};
+    default: return {{1, 1, 1}};
+  }
+}
+
+constexpr int experts_sweep[] = {8, 64, 100, 128, 256, 384, 512, 1000, 4096};
+constexpr std::int64_t tokens_sweep[] = {0, 1, 7, 4099};
+
+// Every E, K in {1, typical, E when E <= MaxK}, N in {0, 1, 7, 4099}, and for
+// group-limited selection each group configuration of the E.
+template <class T, class Router>
+void sweep(Router r, int typical_k, std::mt19937& g, cudaStream_t stream, const std::string& what) {
+  using S = typename Router::selection_type;
+  for (int E : experts_sweep) {
+    std::vector<int> ks{1, std::min({typical_k, E, Router::max_k})};
+    if (E <= Router::max_k) ks.push_back(E);
+    std::sort(ks.begin(), ks.end());
+    ks.erase(std::unique(ks.begin(), ks.end()), ks.end());
+    for (int K : ks) {
+      r.top_k = K;
+      for (std::int64_t N : tokens_sweep) {
+        if constexpr (S::shape == sel::kind::grouped) {
+          for (const auto& c : group_configs(E)) {
+            const int size = E / c[0];
+            r.selection.groups = c[0];
+            r.selection.top_groups = std::max(c[1], (K + size - 1) / size);
+            r.selection.per_group_k = c[2];
+            if (r.selection.top_groups > c[0]) continue;
+            check_parity<Router, T>(r, E, N, g, stream,
+                                    what + " groups=" + std::to_string(c[0]) + " top_groups=" +
+                                        std::to_string(r.selection.top_groups) + " per_group_k=" + std::to_string(c[2]));
+          }
+        } else {
+          check_parity<Router, T>(r, E, N, g, stream, what);
+        }
+      }
+    }
+  }
+}
+
+template <class Gating>
+void sweep_selections(std::mt19937& g, cudaStream_t stream, const std::string& gating) {
+  sweep<float>(mr::router<Gating, sel::top_k, 8>{}, 6, g, stream, gating + " + top_k");
+  {
+    mr::router<Gating, sel::top_k, 8> r;  // the other normalisation and a scaling factor
+    r.normalize = !r.normalize;
+    r.scaling_factor = 2.5f;
+    sweep<float>(r, 8, g, stream, gating + " + top_k (normalize flipped, scale 2.5)");
+  }
+  sweep<float>(mr::router<Gating, sel::group_limited<sel::top_k>, 8>{}, 8, g, stream, gating + " + group_limited<top_k>");
+  sweep<float>(mr::router<Gating, sel::fixed, 8>{}, 6, g, stream, gating + " + fixed");
+  if constexpr (Gating::shape != gat::kind::selected_softmax) {
+    sweep<float>(mr::router<Gating, sel::expert_bias, 8>{}, 6, g, stream, gating + " + expert_bias");
+    sweep<float>(mr::router<Gating, sel::group_limited<sel::expert_bias>, 8>{}, 8, g, stream,
+                 gating + " + group_limited<expert_bias>");
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- GPU cases
+
+GPU_TEST_CASE("presets: cuda equals cpu bit for bit (fp32; also bf16 and fp16 for deepseek_v3, bf16 for qwen3)") {
+  std::mt19937 g(101);
+  stream_guard s;
+  sweep<float>(mr::presets::deepseek_v3(), 8, g, s.get(), "deepseek_v3 fp32");
+  sweep<mr::bfloat16>(mr::presets::deepseek_v3(), 8, g, s.get(), "deepseek_v3 bf16");
+  sweep<mr::float16>(mr::presets::deepseek_v3(), 8, g, s.get(), "deepseek_v3 fp16");
+  sweep<float>(mr::presets::qwen3(), 8, g, s.get(), "qwen3 fp32");
+  sweep<mr::bfloat16>(mr::presets::qwen3(), 8, g, s.get(), "qwen3 bf16");
+  sweep<float>(mr::presets::deepseek_v2_lite(), 6, g, s.get(), "deepseek_v2_lite");
+  sweep<float>(mr::presets::moonlight(), 6, g, s.get(), "moonlight");
+  sweep<float>(mr::presets::mixtral(), 2, g, s.get(), "mixtral");
+  sweep<float>(mr::presets::deepseek_v4(), 6, g, s.get(), "deepseek_v4");
+  // Each preset at its own E with its own K.
+  check_parity<mr::presets::deepseek_v3_router, float>(mr::presets::deepseek_v3(), mr::presets::deepseek_v3_experts,
+                                                        4099, g, s.get(), "deepseek_v3 native");
+  check_parity<mr::presets::moonlight_router, float>(mr::presets::moonlight(), mr::presets::moonlight_experts, 4099,
+                                                      g, s.get(), "moonlight native");
+  check_parity<mr::presets::mixtral_router, float>(mr::presets::mixtral(), mr::presets::mixtral_experts, 4099, g,
+                                                    s.get(), "mixtral native");
+}
+
+GPU_TEST_CASE("softmax gating x every selection: cuda equals cpu (fp32)") {
+  std::mt19937 g(202);
+  stream_guard s;
+  sweep_selections<gat::softmax>(g, s.get(), "softmax");
+}
+
+GPU_TEST_CASE("sigmoid gating x every selection: cuda equals cpu (fp32)") {
+  std::mt19937 g(303);
+  stream_guard s;
+  sweep_selections<gat::sigmoid>(g, s.get(), "sigmoid");
+}
+
+GPU_TEST_CASE("sqrt_softplus gating x every selection: cuda equals cpu (fp32)") {
+  std::mt19937 g(404);
+  stream_guard s;
+  sweep_selections<gat::sqrt_softplus>(g, s.get(), "sqrt_softplus");
+}
+
+GPU_TEST_CASE("softmax_after_topk gating x every selection it allows: cuda equals cpu (fp32)") {
+  std::mt19937 g(505);
+  stream_guard s;
+  sweep_selections<gat::softmax_after_topk>(g, s.get(), "softmax_after_topk");
+}
+
+GPU_TEST_CASE("K up to 32 (MaxK = 32): cuda equals cpu") {
+  std::mt19937 g(606);
+  stream_guard s;
+  sweep<float>(mr::router<gat::softmax, sel::top_k, 32>{}, 32, g, s.get(), "softmax + top_k, MaxK 32");
+}
+
+GPU_TEST_CASE("route_inputs<__nv_bfloat16> and <__half> read the same bits as the storage types") {
+  std::mt19937 g(707);
+  const auto r = mr::presets::deepseek_v3();
+  const int E = 256, K = r.top_k;
+  const std::int64_t N = 513;
+  const auto bf = make_logits<mr::bfloat16>(g, N, E);
+  const auto hf = make_logits<mr::float16>(g, N, E);
+  const auto bias = make_bias(g, E);
+  device_buffer<mr::bfloat16> dbf(bf);
+  device_buffer<mr::float16> dhf(hf);
+  device_buffer<float> dbias(bias);
+  device_buffer<std::int32_t> i1(N * K), i2(N * K);
+  device_buffer<float> w1(N * K), w2(N * K);
+  mr::cuda::route(r, mr::route_inputs<mr::bfloat16>{dbf.get(), N, E, dbias.get()}, mr::route_outputs{i1.get(), w1.get()});
+  mr::cuda::route(r, mr::route_inputs<__nv_bfloat16>{reinterpret_cast<const __nv_bfloat16*>(dbf.get()), N, E, dbias.get()},
+                  mr::route_outputs{i2.get(), w2.get()});
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+  CHECK(same_bits(i1.to_host(), i2.to_host()));
+  CHECK(same_bits(w1.to_host(), w2.to_host()));
+  mr::cuda::route(r, mr::route_inputs<mr::float16>{dhf.get(), N, E, dbias.get()}, mr::route_outputs{i1.get(), w1.get()});
+  mr::cuda::route(r, mr::route_inputs<__half>{reinterpret_cast<const __half*>(dhf.get()), N, E, dbias.get()},
+                  mr::route_outputs{i2.get(), w2.get()});
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+  CHECK(same_bits(i1.to_host(), i2.to_host()));
+  CHECK(same_bits(w1.to_host(), w2.to_host()));
+}
+
+namespace {
+
+template <class Load>
+void check_bias_update(const std::vector<Load>& loads, std::mt19937& g, cudaStream_t stream) {
+  const int E = static_cast<int>(loads.size());
+  CAPTURE(E);
+  sel::expert_bias policy;
+  policy.update_rate = 1e-3f;
+  std::vector<float> bias = make_bias(g, E);
+  bias[0] = -0.0f;  // a load equal to the mean adds +0.0f: -0.0f becomes +0.0f on both sides
+  std::vector<float> host = bias;
+  policy.update(host.data(), loads.data(), E);
+  device_buffer<float> dbias(bias);
+  device_buffer<Load> dloads(loads);
+  mr::cuda::update_expert_bias(policy, dbias.get(), dloads.get(), E, stream);
+  CUDA_REQUIRE(cudaStreamSynchronize(stream));
+  const auto dev = dbias.to_host();
+  CHECK_MESSAGE(same_bits(dev, host), "bias differs first at " << first_difference(dev, host));
+}
+
+}  // namespace
+
+GPU_TEST_CASE("update_expert_bias equals selection::expert_bias::update") {
+  std::mt19937 g(808);
+  stream_guard s;
+  for (int E : {1, 8, 64, 256, 257, 300, 1000, 4096}) {
+    std::uniform_int_distribution<int> counts(0, 5000);
+    std::vector<std::int32_t> c32(E);
+    for (auto& c : c32) c = counts(g);
+    c32[0] = 0;
+    if (E > 2) c32[1] = c32[2];
+    std::vector<std::int64_t> c64(c32.begin(), c32.end());
+    std::vector<float> f(E);
+    std::vector<double> d(E);
+    std::uniform_real_distribution<float> frac(0.0f, 3.0f);
+    for (int e = 0; e < E; ++e) {
+      f[e] = frac(g) * (e % 3 == 0 ? 1e-6f : 1e3f);  // mixed magnitudes: the summation order matters
+      d[e] = static_cast<double>(frac(g)) * 1e10 + 1e-7 * e;
+    }
+    std::vector<std::int32_t> equal(E, 7);  // every load equals the mean: no change
+    check_bias_update(c32, g, s.get());
+    check_bias_update(c64, g, s.get());
+    check_bias_update(f, g, s.get());
+    check_bias_update(d, g, s.get());
+    check_bias_update(equal, g, s.get());
+  }
+}
+
+namespace {
+
+// Deterministic device-side logits for the large-batch test: a hash of the
+// element index on a 1/8 grid in [-8, 8), and a NaN at expert 3 of every row
+// t with t % nan_period == 7.
+constexpr std::int64_t nan_period = 65537;
+
+__host__ __device__ inline float hashed_logit(std::int64_t i) {
+  std::uint64_t x = static_cast<std::uint64_t>(i) * 0x9e3779b97f4a7c15ull;
+  x ^= x >> 29;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 32;
+  return static_cast<float>(static_cast<int>(x & 127u) - 64) / 8.0f;
+}
+
+template <class T>
+__device__ inline T store_as(float x);
+template <>
+__device__ inline float store_as<float>(float x) {
+  return x;
+}
+template <>
+__device__ inline mr::bfloat16 store_as<mr::bfloat16>(float x) {
+  return mr::bfloat16{__bfloat16_as_ushort(__float2bfloat16_rn(x))};
+}
+
+template <class T>
+static __global__ void fill_logits(T* z, std::int64_t N, int E) {
+  const std::int64_t total = N * E;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t t = i / E;
+    const int e = static_cast<int>(i - t * E);
+    float x = hashed_logit(i);
+    if (t % nan_period == 7 && e == 3) x = __int_as_float(0x7fc00000);
+    z[i] = store_as<T>(x);
+  }
+}
+
+static __global__ void fill_grad(float* d, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    d[i] = hashed_logit(i ^ 0x5555) * 0.25f;
+}
+
+// Rows checked in the large test: the first, some spread over the batch, and
+// the last (whose element offsets exceed 2^31 / 2^32).
+std::vector<std::int64_t> sample_rows(std::int64_t N, std::mt19937& g) {
+  std::vector<std::int64_t> rows{0, 1, 2, 7, nan_period + 7, N / 2, N - 3, N - 2, N - 1};
+  std::uniform_int_distribution<std::int64_t> pick(0, N - 1);
+  for (int i = 0; i < 1000; ++i) rows.push_back(pick(g));
+  std::sort(rows.begin(), rows.end());
+  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  return rows;
+}
+
+template <class T>
+std::vector<T> gather_rows(const T* dev, const std::vector<std::int64_t>& rows, int width) {
+  std::vector<T> h(rows.size() * width);
+  for (std::size_t i = 0; i < rows.size(); ++i)
+    CUDA_REQUIRE(cudaMemcpy(h.data() + i * width, dev + rows[i] * width, width * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+bool allocate(void** p, std::size_t bytes) {
+  if (cudaMalloc(p, bytes) == cudaSuccess) return true;
+  cudaGetLastError();
+  return false;
+}
+
+// Routes N = 2^24 + 3 tokens on the device and checks sampled rows against
+// the CPU backend (the router must not depend on the token position).
+template <class Router, class T>
+void check_large(const Router& r, int E, bool with_backward, std::mt19937& g) {
+  const std::int64_t N = (std::int64_t{1} << 24) + 3;
+  const int K = r.top_k;
+  CAPTURE(E);
+  CAPTURE(sizeof(T));
+  void *z = nullptr, *idx = nullptr, *gates = nullptr, *count = nullptr, *bias = nullptr;
+  const std::size_t zbytes = static_cast<std::size_t>(N) * E * sizeof(T);
+  if (!allocate(&z, zbytes)) {
+    MESSAGE("not enough device memory for the large-batch check with E = " << E << ": skipped");
+    return;
+  }
+  REQUIRE(allocate(&idx, static_cast<std::size_t>(N) * K * sizeof(std::int32_t)));
+  REQUIRE(allocate(&gates, static_cast<std::size_t>(N) * K * sizeof(float)));
+  REQUIRE(allocate(&count, sizeof(std::int64_t)));
+  REQUIRE(allocate(&bias, E * sizeof(float)));
+  const auto host_bias = make_bias(g, E);
+  CUDA_REQUIRE(cudaMemcpy(bias, host_bias.data(), E * sizeof(float), cudaMemcpyHostToDevice));
+  fill_logits<T><<<4096, 256>>>(static_cast<T*>(z), N, E);
+  CUDA_REQUIRE(cudaGetLastError());
+  CUDA_REQUIRE(cudaMemset(count, 0, sizeof(std::int64_t)));
+  const bool needs_bias = Router::selection_type::needs_expert_bias;
+  const mr::route_inputs<T> in{static_cast<const T*>(z), N, E, needs_bias ? static_cast<const float*>(bias) : nullptr};
+  mr::cuda::route(r, in, mr::route_outputs{static_cast<std::int32_t*>(idx), static_cast<float*>(gates),
+                                           static_cast<std::int64_t*>(count)});
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+
+  std::int64_t gpu_count = 0;
+  CUDA_REQUIRE(cudaMemcpy(&gpu_count, count, sizeof gpu_count, cudaMemcpyDeviceToHost));
+  CHECK(gpu_count == (N - 7 + nan_period - 1) / nan_period);
+
+  const auto rows = sample_rows(N, g);
+  const std::int64_t M = static_cast<std::int64_t>(rows.size());
+  const auto hz = gather_rows(static_cast<const T*>(z), rows, E);
+  const auto gpu_idx = gather_rows(static_cast<const std::int32_t*>(idx), rows, K);
+  const auto gpu_gates = gather_rows(static_cast<const float*>(gates), rows, K);
+  std::vector<std::int32_t> cpu_idx(M * K);
+  std::vector<float> cpu_gates(M * K);
+  const mr::route_inputs<T> host_in{hz.data(), M, E, needs_bias ? host_bias.data() : nullptr};
+  mr::cpu::route(r, host_in, mr::route_outputs{cpu_idx.data(), cpu_gates.data()});
+  CHECK_MESSAGE(same_bits(gpu_idx, cpu_idx), "indices differ first at sample " << first_difference(gpu_idx, cpu_idx));
+  CHECK_MESSAGE(same_bits(gpu_gates, cpu_gates), "gates differ first at sample " << first_difference(gpu_gates, cpu_gates));
+
+  if (with_backward) {
+    void *grad = nullptr, *dz = nullptr;
+    REQUIRE(allocate(&grad, static_cast<std::size_t>(N) * K * sizeof(float)));
+    if (!allocate(&dz, static_cast<std::size_t>(N) * E * sizeof(float))) {
+      MESSAGE("not enough device memory for the large-batch backward: skipped");
+    } else {
+      fill_grad<<<4096, 256>>>(static_cast<float*>(grad), N * K);
+      CUDA_REQUIRE(cudaGetLastError());
+      mr::cuda::backward(r, in, mr::backward_args{static_cast<const std::int32_t*>(idx), static_cast<const float*>(grad),
+                                                  static_cast<float*>(dz)});
+      CUDA_REQUIRE(cudaDeviceSynchronize());
+      const auto hgrad = gather_rows(static_cast<const float*>(grad), rows, K);
+      const auto gpu_dz = gather_rows(static_cast<const float*>(dz), rows, E);
+      std::vector<float> cpu_dz(M * E);
+      mr::cpu::backward(r, host_in, mr::backward_args{gpu_idx.data(), hgrad.data(), cpu_dz.data()});
+      CHECK_MESSAGE(same_bits(gpu_dz, cpu_dz), "grad_logits differ first at " << first_difference(gpu_dz, cpu_dz));
+      cudaFree(dz);
+    }
+    cudaFree(grad);
+  }
+  cudaFree(bias);
+  cudaFree(count);
+  cudaFree(gates);
+  cudaFree(idx);
+  cudaFree(z);
+}
+
+}  // namespace
+
+GPU_TEST_CASE("large batch: N = 2^24 + 3 tokens (64-bit offsets), sampled rows equal the cpu") {
+  std::mt19937 g(909);
+  check_large<mr::presets::qwen3_router, float>(mr::presets::qwen3(), 64, true, g);
+  // N * E > 2^32 elements.
+  check_large<mr::presets::deepseek_v3_router, mr::bfloat16>(mr::presets::deepseek_v3(), 256, false, g);
+}
+
+GPU_TEST_CASE("backward: the last duplicate wins, indices outside [0, E) are ignored") {
+  std::mt19937 g(1010);
+  stream_guard s;
+  const int E = 128;
+  const std::int64_t N = 300;
+  // Duplicates are valid input for the CPU too: compare directly (normalised softmax).
+  {
+    const auto r = mr::presets::qwen3();
+    const int K = r.top_k;
+    const auto z = make_logits<float>(g, N, E);
+    const auto grad = make_grad(g, N * K);
+    std::vector<std::int32_t> idx(N * K);
+    for (std::int64_t t = 0; t < N; ++t)
+      for (int j = 0; j < K; ++j) idx[t * K + j] = (static_cast<int>(t) * 5 + j * 3) % E;
+    for (std::int64_t t = 0; t < N; ++t) idx[t * K + K - 1] = idx[t * K];
+    std::vector<float> cpu_dz(N * E);
+    mr::cpu::backward(r, mr::route_inputs<float>{z.data(), N, E},
+                      mr::backward_args{idx.data(), grad.data(), cpu_dz.data()});
+    device_buffer<float> dz_in(z), dgrad(grad), ddz(N * E);
+    device_buffer<std::int32_t> didx(idx);
+    ddz.poison();
+    mr::cuda::backward(r, mr::route_inputs<float>{dz_in.get(), N, E},
+                       mr::backward_args{didx.get(), dgrad.get(), ddz.get()}, s.get());
+    CUDA_REQUIRE(cudaStreamSynchronize(s.get()));
+    const auto gpu_dz = ddz.to_host();
+    CHECK_MESSAGE(same_bits(gpu_dz, cpu_dz), "grad_logits differ first at " << first_difference(gpu_dz, cpu_dz));
+  }
+  // An ignored entry reads no logit, has score 0, is left out of the dot
+  // product and writes nothing. Without normalisation its slot then equals, on
+  // the CPU, a duplicate of a later slot's expert with dL/dgate = 0 (it adds an
+  // exact 0 to the dot product and the later slot's write wins).
+  {
+    const auto r = mr::presets::deepseek_v2_lite();  // softmax, normalize = false
+    const int K = r.top_k;
+    const auto z = make_logits<float>(g, N, E);
+    auto grad = make_grad(g, N * K);
+    std::vector<std::int32_t> idx(N * K), bad(N * K);
+    for (std::int64_t t = 0; t < N; ++t)
+      for (int j = 0; j < K; ++j) idx[t * K + j] = (static_cast<int>(t) * 7 + j * 11) % E;
+    bad = idx;
+    for (std::int64_t t = 0; t < N; ++t) {
+      bad[t * K + 1] = t % 3 == 0 ? -1 : t % 3 == 1 ? E : E + 1000 * static_cast<int>(t);
+      idx[t * K + 1] = idx[t * K + K - 1];
+    }
+    auto cpu_grad = grad;
+    for (std::int64_t t = 0; t < N; ++t) cpu_grad[t * K + 1] = 0.0f;
+    std::vector<float> cpu_dz(N * E);
+    mr::cpu::backward(r, mr::route_inputs<float>{z.data(), N, E},
+                      mr::backward_args{idx.data(), cpu_grad.data(), cpu_dz.data()});
+    device_buffer<float> dz_in(z), dgrad(grad), ddz(N * E);
+    device_buffer<std::int32_t> dbad(bad);
+    ddz.poison();
+    mr::cuda::backward(r, mr::route_inputs<float>{dz_in.get(), N, E},
+                       mr::backward_args{dbad.get(), dgrad.get(), ddz.get()}, s.get());
+    CUDA_REQUIRE(cudaStreamSynchronize(s.get()));
+    CUDA_REQUIRE(cudaGetLastError());
+    const auto gpu_dz = ddz.to_host();
+    CHECK_MESSAGE(same_bits(gpu_dz, cpu_dz), "grad_logits differ first at " << first_difference(gpu_dz, cpu_dz));
+  }
+}
+
+GPU_TEST_CASE("every call runs on the given stream: no synchronisation, no allocation (graph capture)") {
+  std::mt19937 g(1111);
+  stream_guard s;
+  const auto r = mr::presets::deepseek_v3();
+  const int E = 256, K = r.top_k;
+  const std::int64_t N = 1000;
+  const auto z = make_logits<mr::bfloat16>(g, N, E);
+  const auto bias = make_bias(g, E);
+  const auto grad = make_grad(g, N * K);
+  std::vector<std::int32_t> loads(E);
+  for (int e = 0; e < E; ++e) loads[e] = (e * 37) % 101;
+  device_buffer<mr::bfloat16> dz_in(z);
+  device_buffer<float> dbias(bias), dgrad(grad), dgates(N * K), ddz(N * E), gates2(N * K), dz2(N * E), bias2(bias);
+  device_buffer<std::int32_t> didx(N * K), idx2(N * K), dloads(loads);
+  device_buffer<std::int64_t> count(1), count2(1);
+  CUDA_REQUIRE(cudaMemset(count.get(), 0, sizeof(std::int64_t)));
+  CUDA_REQUIRE(cudaMemset(count2.get(), 0, sizeof(std::int64_t)));
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+
+  auto work = [&](float* b, std::int32_t* idx, float* gates, float* dz, std::int64_t* cnt) {
+    const mr::route_inputs<mr::bfloat16> in{dz_in.get(), N, E, b};
+    mr::cuda::route(r, in, mr::route_outputs{idx, gates, cnt}, s.get());
+    mr::cuda::backward(r, in, mr::backward_args{idx, dgrad.get(), dz}, s.get());
+    mr::cuda::update_expert_bias(r.selection.inner, b, dloads.get(), E, s.get());
+  };
+  work(dbias.get(), didx.get(), dgates.get(), ddz.get(), count.get());
+  CUDA_REQUIRE(cudaStreamSynchronize(s.get()));
+
+  cudaGraph_t graph{};
+  CUDA_REQUIRE(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeGlobal));
+  work(bias2.get(), idx2.get(), gates2.get(), dz2.get(), count2.get());
+  CUDA_REQUIRE(cudaStreamEndCapture(s.get(), &graph));
+  cudaGraphExec_t exec{};
+  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_REQUIRE(cudaGraphLaunch(exec, s.get()));
+  CUDA_REQUIRE(cudaStreamSynchronize(s.get()));
+  CHECK(same_bits(idx2.to_host(), didx.to_host()));
+  CHECK(same_bits(gates2.to_host(), dgates.to_host()));
+  CHECK(same_bits(dz2.to_host(), ddz.to_host()));
+  CHECK(same_bits(bias2.to_host(), dbias.to_host()));
+  CHECK(count2.to_host() == count.to_host());
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+// ---------------------------------------------------------------- host-only cases
+
+TEST_CASE("invalid arguments throw moe_route::error before anything is launched (no device needed)") {
+  // Fake device pointers: validation must reject the call before touching them.
+  const auto* z = reinterpret_cast<const float*>(std::uintptr_t{256});
+  auto* idx = reinterpret_cast<std::int32_t*>(std::uintptr_t{512});
+  auto* w = reinterpret_cast<float*>(std::uintptr_t{1024});
+  const auto* grad = reinterpret_cast<const float*>(std::uintptr_t{2048});
+  auto* dz = reinterpret_cast<float*>(std::uintptr_t{4096});
+  auto r = mr::presets::qwen3();
+  const mr::route_outputs out{idx, w};
+
+  CHECK_THROWS_AS(mr::cuda::route(r, mr::route_inputs<float>{z, 16, 4}, out), mr::error);  // K > E
+  CHECK_THROWS_AS(mr::cuda::route(r, mr::route_inputs<float>{nullptr, 16, 128}, out), mr::error);
+  CHECK_THROWS_AS(mr::cuda::route(r, mr::route_inputs<float>{z, -1, 128}, out), mr::error);
+  CHECK_THROWS_AS(mr::cuda::route(r, mr::route_inputs<float>{z, 16, 5000}, out), mr::error);
+  CHECK_THROWS_AS(mr::cuda::route(r, mr::route_inputs<float>{z, 16, 128}, mr::route_outputs{nullptr, w}), mr::error);
+  CHECK_THROWS_AS(mr::cuda::route(r, mr::route_inputs<float>{z, 16, 128}, mr::route_outputs{idx, nullptr}), mr::error);
+  r.top_k = 9;  // above MaxK = 8
+  CHECK_THROWS_AS(mr::cuda::route(r, mr::route_inputs<float>{z, 16, 128}, out), mr::error);
+
+  auto v3 = mr::presets::deepseek_v3();
+  const auto* bias = reinterpret_cast<const float*>(std::uintptr_t{8192});
+  CHECK_THROWS_AS(mr::cuda::route(v3, mr::route_inputs<float>{z, 16, 256}, out), mr::error);  // bias missing
+  v3.selection.groups = 7;                                                                  // does not divide E
+  CHECK_THROWS_AS(mr::cuda::route(v3, mr::route_inputs<float>{z, 16, 256, bias}, out), mr::error);
+  v3.selection.groups = 64;  // more than 32 groups
+  CHECK_THROWS_AS(mr::cuda::route(v3, mr::route_inputs<float>{z, 16, 256, bias}, out), mr::error);
+  v3.selection.groups = 8;
+  v3.selection.top_groups = 9;
+  CHECK_THROWS_AS(mr::cuda::route(v3, mr::route_inputs<float>{z, 16, 256, bias}, out), mr::error);
+
+  const auto q = mr::presets::qwen3();
+  CHECK_THROWS_AS(mr::cuda::backward(q, mr::route_inputs<float>{z, 16, 128}, mr::backward_args{nullptr, grad, dz}),
+                  mr::error);
+  CHECK_THROWS_AS(mr::cuda::backward(q, mr::route_inputs<float>{z, 16, 128}, mr::backward_args{idx, nullptr, dz}),
+                  mr::error);
+  CHECK_THROWS_AS(mr::cuda::backward(q, mr::route_inputs<float>{z, 16, 128}, mr::backward_args{idx, grad, nullptr}),
+                  mr::error);
+  CHECK_THROWS_AS(mr::cuda::backward(q, mr::route_inputs<float>{z, 16, 4}, mr::backward_args{idx, grad, dz}),
+                  mr::error);
+
+  const mr::selection::expert_bias policy;
+  float* b = w;
+  const std::int32_t* loads = idx;
+  CHECK_THROWS_AS(mr::cuda::update_expert_bias(policy, b, loads, 0), mr::error);
+  CHECK_THROWS_AS(mr::cuda::update_expert_bias(policy, nullptr, loads, 8), mr::error);
+  CHECK_THROWS_AS(mr::cuda::update_expert_bias(policy, b, static_cast<const std::int32_t*>(nullptr), 8), mr::error);
+
+  // N = 0 is valid with null pointers and launches nothing.
+  CHECK_NOTHROW(mr::cuda::route(q, mr::route_inputs<float>{nullptr, 0, 128}, mr::route_outputs{}));
+  CHECK_NOTHROW(mr::cuda::backward(q, mr::route_inputs<float>{nullptr, 0, 128}, mr::backward_args{}));
+}
+
+TEST_CASE("cuda_error names the failing call (no device needed)") {
+  const mr::cuda::cuda_error e("moe_route::cuda::route: launch", cudaErrorInvalidConfiguration);
+  CHECK(std::string(e.what()).find("moe_route::cuda::route: launch") != std::string::npos);
+  CHECK(e.code() == cudaErrorInvalidConfiguration);
+  const std::runtime_error& base = e;
+  CHECK(std::string(base.what()).find("failed") != std::string::npos);
+}
+
+int main(int argc, char** argv) {
+  if (!has_device())
+    std::printf("moe_route GPU tests: no CUDA device, %d test cases skipped\n", gpu_case_count());
+  doctest::Context context(argc, argv);
+  return context.run();
+}
