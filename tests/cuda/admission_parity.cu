@@ -1,0 +1,468 @@
+// GPU parity of admission, expert choice and dispatch metadata: cuda:: against
+// cpu:: on identical inputs, bit for bit (indices, status, gates, reports,
+// counts, offsets, permutations, rank counts). Every case is reported as
+// skipped (visibly, in doctest's summary and by a message) when no CUDA device
+// is present, and the executable then exits 0.
+//
+// The routed indices and gates come from cpu::route, so this test depends on
+// the CUDA admission / dispatch kernels only.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <moe_route/backend/cpu/admission.hpp>
+#include <moe_route/backend/cpu/dispatch.hpp>
+#include <moe_route/backend/cpu/expert_choice.hpp>
+#include <moe_route/backend/cuda/admission.cuh>
+#include <moe_route/backend/cuda/dispatch_metadata.cuh>
+#include <moe_route/backend/cuda/expert_choice.cuh>
+#include <moe_route/moe_route.cuh>
+
+namespace {
+
+namespace mr = moe_route;
+namespace ad = moe_route::admission;
+
+bool has_device() {
+  static const bool present = [] {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+  }();
+  return present;
+}
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+template <class T>
+class device_vector {
+ public:
+  explicit device_vector(std::size_t n) : n_(n) { cuda_ok(cudaMalloc(&p_, n * sizeof(T) + 16), "cudaMalloc"); }
+  explicit device_vector(const std::vector<T>& v) : device_vector(v.size()) { upload(v); }
+  ~device_vector() { cudaFree(p_); }
+  device_vector(const device_vector&) = delete;
+  device_vector& operator=(const device_vector&) = delete;
+  void upload(const std::vector<T>& v) {
+    cuda_ok(cudaMemcpy(p_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+  }
+  std::vector<T> download() const {
+    std::vector<T> v(n_);
+    cuda_ok(cudaMemcpy(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+    return v;
+  }
+  T* get() const { return p_; }
+
+ private:
+  T* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+template <class T>
+T* ptr_or_null(const std::vector<T>& host, device_vector<T>& dev) {
+  return host.empty() ? nullptr : dev.get();
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+bool same_report(const mr::admission_report& a, const mr::admission_report& b) {
+  return a.offered == b.offered && a.kept == b.kept && a.rerouted == b.rerouted && a.dropped == b.dropped &&
+         a.below_threshold == b.below_threshold && a.over_capacity == b.over_capacity &&
+         a.tokens_without_experts == b.tokens_without_experts && a.invalid == b.invalid;
+}
+
+// A batch: logits with a hot quarter of experts, optional quantisation (ties)
+// and repeated rows, routed on the CPU.
+struct batch {
+  std::int64_t N = 0;
+  int E = 0, K = 0, G = 1;
+  std::vector<float> z, bias, gates, xn, wn;
+  std::vector<std::int32_t> routed, groups;
+  std::vector<std::int64_t> capacity;
+};
+
+template <class Router>
+batch make_batch(const Router& r, std::uint32_t seed, std::int64_t N, int E, int levels, int G, bool cap_array) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.5f);
+  std::uniform_real_distribution<float> u(0.5f, 2.0f);
+  batch b;
+  b.N = N, b.E = E, b.K = r.top_k, b.G = G;
+  b.z.resize(N * E);
+  for (auto& x : b.z) {
+    x = nd(rng);
+    if (levels > 0) x = std::round(x * levels) / levels;
+  }
+  for (std::int64_t t = 0; t < N; ++t) {
+    for (int e = 0; e < (E + 3) / 4; ++e) b.z[t * E + e] += 1.5f;
+    if (t % 7 == 6) std::copy(b.z.begin() + (t - 1) * E, b.z.begin() + t * E, b.z.begin() + t * E);
+  }
+  b.bias.resize(E);
+  for (auto& x : b.bias) x = 0.01f * nd(rng);
+  b.xn.resize(N);
+  b.wn.resize(E);
+  for (auto& x : b.xn) x = u(rng);
+  for (auto& x : b.wn) x = u(rng);
+  if (G > 1) {
+    b.groups.resize(N);
+    for (std::int64_t t = 0; t < N; ++t) b.groups[t] = static_cast<std::int32_t>((t * 2654435761u >> 7) % G);
+    // leave the last group empty
+    for (auto& g : b.groups)
+      if (g == G - 1) g = 0;
+  }
+  if (cap_array) {
+    b.capacity.resize(E);
+    std::uniform_int_distribution<int> c(0, static_cast<int>(2 * N * b.K / E / std::max(G, 1)) + 1);
+    for (auto& x : b.capacity) x = c(rng);
+  }
+  b.routed.resize(N * b.K);
+  b.gates.resize(N * b.K);
+  mr::cpu::route(r, mr::route_inputs<float>{b.z.data(), N, E, b.bias.data()},
+                 mr::route_outputs{b.routed.data(), b.gates.data()});
+  return b;
+}
+
+template <class Router, class Policy>
+void check_admit(const Router& r, const Policy& p, const batch& b, const char* what) {
+  CAPTURE(what);
+  const std::int64_t slots = b.N * b.K;
+  // CPU
+  mr::admission_inputs<float> hin;
+  hin.logits = b.z.data();
+  hin.num_tokens = b.N;
+  hin.num_experts = b.E;
+  hin.routed_indices = b.routed.data();
+  hin.routed_gates = b.gates.data();
+  hin.hidden_norms = b.xn.data();
+  hin.weight_norms = b.wn.data();
+  hin.group_ids = b.groups.empty() ? nullptr : b.groups.data();
+  hin.num_groups = b.G;
+  hin.capacity = b.capacity.empty() ? nullptr : b.capacity.data();
+  std::vector<std::int32_t> cidx(slots);
+  std::vector<float> cgates(slots);
+  std::vector<std::int8_t> cstatus(slots);
+  mr::admission_report crep;
+  mr::cpu::admit(r, p, hin, mr::admission_outputs{cidx.data(), cgates.data(), cstatus.data(), &crep});
+  // CUDA
+  device_vector<float> z(b.z), gates(b.gates), xn(b.xn), wn(b.wn);
+  device_vector<std::int32_t> routed(b.routed), groups(b.groups.empty() ? std::vector<std::int32_t>{0} : b.groups);
+  device_vector<std::int64_t> cap(b.capacity.empty() ? std::vector<std::int64_t>{0} : b.capacity);
+  device_vector<std::int32_t> didx(slots);
+  device_vector<float> dgates(slots);
+  device_vector<std::int8_t> dstatus(slots);
+  device_vector<mr::admission_report> drep(1);
+  mr::admission_inputs<float> din = hin;
+  din.logits = z.get();
+  din.routed_indices = routed.get();
+  din.routed_gates = gates.get();
+  din.hidden_norms = xn.get();
+  din.weight_norms = wn.get();
+  din.group_ids = ptr_or_null(b.groups, groups);
+  din.capacity = ptr_or_null(b.capacity, cap);
+  const std::size_t bytes = mr::cuda::admit_workspace_size(r, p, b.N, b.E, b.G);
+  device_vector<unsigned char> ws(bytes + 1);
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate");
+  for (int rep = 0; rep < 2; ++rep) {  // twice: run-to-run determinism on a reused workspace
+    mr::cuda::admit(r, p, din, mr::admission_outputs{didx.get(), dgates.get(), dstatus.get(), drep.get()}, ws.get(),
+                    bytes, stream);
+    cuda_ok(cudaStreamSynchronize(stream), "admit");
+    CHECK(didx.download() == cidx);
+    CHECK(dstatus.download() == cstatus);
+    CHECK(same_bits(dgates.download(), cgates));
+    CHECK(same_report(drep.download()[0], crep));
+  }
+  cudaStreamDestroy(stream);
+  // Dispatch of the admitted result, with padding and ranks.
+  for (int align : {1, 8}) {
+    const int R = b.E % 4 == 0 ? 4 : 1;
+    const std::int64_t bound = mr::dispatch_rows_bound(b.N, b.K, b.E, align);
+    std::vector<std::int64_t> counts(b.E), offsets(b.E + 1), perm(bound), inv(slots), ranks(R);
+    mr::dispatch_inputs hd{cidx.data(), b.N, b.K, b.E, align, R, nullptr};
+    mr::cpu::dispatch(hd, mr::dispatch_outputs{counts.data(), offsets.data(), perm.data(), inv.data(), ranks.data()});
+    device_vector<std::int64_t> dcounts(b.E), doffsets(b.E + 1), dperm(bound), dinv(slots), dranks(R);
+    mr::dispatch_inputs dd = hd;
+    dd.indices = didx.get();
+    const std::size_t dbytes = mr::cuda::dispatch_workspace_size(b.N, b.K, b.E);
+    device_vector<unsigned char> dws(dbytes + 1);
+    mr::cuda::dispatch(dd, mr::dispatch_outputs{dcounts.get(), doffsets.get(), dperm.get(), dinv.get(), dranks.get()},
+                       dws.get(), dbytes, nullptr);
+    cuda_ok(cudaDeviceSynchronize(), "dispatch");
+    CHECK(dcounts.download() == counts);
+    CHECK(doffsets.download() == offsets);
+    CHECK(dperm.download() == perm);
+    CHECK(dinv.download() == inv);
+    CHECK(dranks.download() == ranks);
+  }
+}
+
+template <class Router>
+void all_policies(const Router& r, const batch& b) {
+  check_admit(r, ad::cipher_strict(0.02f, 1.0), b, "cipher_strict");
+  check_admit(r, ad::cipher_strict(0.05f), b, "cipher_strict, factor 8");
+  check_admit(r, ad::cipher_reroute(0.0f, 1.0, 1.0), b, "cipher_reroute, fill = capacity");
+  check_admit(r, ad::cipher_reroute(0.02f, 1.25, 0.9), b, "cipher_reroute");
+  check_admit(r, ad::cipher_reroute(0.02f), b, "cipher_reroute, factors 8 / 4");
+  check_admit(r, ad::locmoe(1.0), b, "locmoe");
+  check_admit(r, ad::capacity_position(0.8), b, "capacity_position");
+  check_admit(r, ad::capacity_position(0.5, 5), b, "capacity_position, min_capacity");
+  check_admit(r, ad::capacity_probs(0.8), b, "capacity_probs");
+  auto renorm = ad::capacity_probs(0.7);
+  renorm.overflow.renormalize = true;
+  check_admit(r, renorm, b, "capacity_probs, renormalize");
+  check_admit(r, ad::dropless(), b, "dropless");
+  auto logit = ad::policy<ad::logit, ad::reroute>{};
+  logit.threshold = -1.0f;
+  logit.capacity_factor = 1.0;
+  logit.overflow.fill_factor = 1.5;
+  check_admit(r, logit, b, "logit, reroute");
+  auto prob = ad::policy<ad::probability, ad::reroute>{};
+  prob.capacity_factor = 0.9;
+  prob.overflow.fill_factor = 1.2;
+  prob.overflow.max_rounds = 3;
+  check_admit(r, prob, b, "probability, reroute, 3 rounds");
+  check_admit(r, ad::cipher_strict(1.0e30f, 1.0), b, "tau above every affinity");
+  check_admit(r, ad::cipher_reroute(-1.0e30f, 0.0, 4.0), b, "capacity 0");
+}
+
+template <class T>
+std::vector<T> as_storage(const std::vector<float>& v);
+template <>
+std::vector<mr::bfloat16> as_storage(const std::vector<float>& v) {
+  std::vector<mr::bfloat16> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = mr::bfloat16::from_float(v[i]);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("cuda admission == cpu admission, every preset and policy" * doctest::skip(!has_device())) {
+  {
+    auto r = mr::presets::qwen3();
+    all_policies(r, make_batch(r, 1, 2000, 128, 0, 1, false));
+    all_policies(r, make_batch(r, 2, 1500, 128, 2, 4, false));  // ties, groups (one empty)
+    all_policies(r, make_batch(r, 3, 1200, 128, 0, 3, true));   // per-expert capacities
+  }
+  {
+    auto r = mr::presets::deepseek_v2_lite();
+    all_policies(r, make_batch(r, 4, 3000, 64, 0, 2, false));
+  }
+  {
+    auto r = mr::presets::deepseek_v3();
+    all_policies(r, make_batch(r, 5, 4096, 256, 0, 1, false));
+  }
+  {
+    auto r = mr::presets::deepseek_v4();
+    all_policies(r, make_batch(r, 6, 2048, 256, 1, 2, false));
+  }
+  {
+    auto r = mr::presets::mixtral();
+    all_policies(r, make_batch(r, 7, 1000, 8, 0, 1, false));
+    all_policies(r, make_batch(r, 8, 999, 8, 1, 3, true));
+  }
+  {  // Large E (several shared-memory words per warp), K = 8.
+    mr::router<mr::gating::sigmoid, mr::selection::top_k, 8> r;
+    r.top_k = 8;
+    all_policies(r, make_batch(r, 9, 300, 1000, 0, 1, false));
+  }
+  {  // E = 1 and K = E.
+    mr::router<mr::gating::softmax, mr::selection::top_k, 8> r;
+    r.top_k = 1;
+    all_policies(r, make_batch(r, 10, 50, 1, 0, 1, false));
+    r.top_k = 6;
+    all_policies(r, make_batch(r, 11, 70, 6, 0, 1, false));
+  }
+}
+
+TEST_CASE("cuda admission == cpu admission with bf16 logits" * doctest::skip(!has_device())) {
+  auto r = mr::presets::deepseek_v3();
+  const batch b = make_batch(r, 12, 1024, 256, 0, 1, false);
+  const std::vector<mr::bfloat16> zb = as_storage<mr::bfloat16>(b.z);
+  std::vector<std::int32_t> routed(b.N * 8), cidx(b.N * 8);
+  std::vector<float> gates(b.N * 8), cgates(b.N * 8);
+  mr::cpu::route(r, mr::route_inputs<mr::bfloat16>{zb.data(), b.N, b.E, b.bias.data()},
+                 mr::route_outputs{routed.data(), gates.data()});
+  const auto p = ad::cipher_reroute(0.0f, 1.0, 1.0);
+  mr::admission_inputs<mr::bfloat16> hin;
+  hin.logits = zb.data();
+  hin.num_tokens = b.N;
+  hin.num_experts = b.E;
+  hin.routed_indices = routed.data();
+  hin.routed_gates = gates.data();
+  hin.hidden_norms = b.xn.data();
+  hin.weight_norms = b.wn.data();
+  mr::cpu::admit(r, p, hin, mr::admission_outputs{cidx.data(), cgates.data()});
+  device_vector<mr::bfloat16> z(zb);
+  device_vector<std::int32_t> droute(routed), didx(b.N * 8);
+  device_vector<float> dgates_in(gates), dgates(b.N * 8), xn(b.xn), wn(b.wn);
+  mr::admission_inputs<__nv_bfloat16> din;
+  din.logits = reinterpret_cast<const __nv_bfloat16*>(z.get());
+  din.num_tokens = b.N;
+  din.num_experts = b.E;
+  din.routed_indices = droute.get();
+  din.routed_gates = dgates_in.get();
+  din.hidden_norms = xn.get();
+  din.weight_norms = wn.get();
+  const std::size_t bytes = mr::cuda::admit_workspace_size(r, p, b.N, b.E);
+  device_vector<unsigned char> ws(bytes);
+  mr::cuda::admit(r, p, din, mr::admission_outputs{didx.get(), dgates.get()}, ws.get(), bytes);
+  cuda_ok(cudaDeviceSynchronize(), "admit bf16");
+  CHECK(didx.download() == cidx);
+  CHECK(same_bits(dgates.download(), cgates));
+}
+
+TEST_CASE("cuda expert_choice == cpu expert_choice, and its dispatch" * doctest::skip(!has_device())) {
+  struct shape {
+    std::int64_t N;
+    int E, levels, G;
+    bool cap;
+    double factor;
+  };
+  for (const shape s : {shape{2000, 64, 0, 1, false, 1.0}, shape{1500, 128, 2, 3, false, 1.5},
+                        shape{700, 32, 1, 2, true, 1.0}, shape{64, 1, 0, 1, false, 0.5}, shape{333, 256, 0, 1, false, 0.0}}) {
+    CAPTURE(s.E);
+    mr::router<mr::gating::softmax, mr::selection::top_k, 8> r;
+    r.top_k = 1;
+    const batch b = make_batch(r, 20 + s.E, s.N, s.E, s.levels, s.G, s.cap);
+    mr::selection::expert_choice p;
+    p.capacity_factor = s.factor;
+    p.min_capacity = s.factor == 0.0 ? 3 : 0;
+    mr::expert_choice_inputs<float> hin;
+    hin.logits = b.z.data();
+    hin.num_tokens = b.N;
+    hin.num_experts = b.E;
+    hin.group_ids = b.groups.empty() ? nullptr : b.groups.data();
+    hin.num_groups = b.G;
+    hin.capacity = b.capacity.empty() ? nullptr : b.capacity.data();
+    const std::int64_t pairs = b.N * b.E;
+    std::vector<std::int32_t> cidx(pairs), cper(b.N);
+    std::vector<float> cgates(pairs);
+    mr::expert_choice_report crep;
+    mr::cpu::expert_choice(p, hin, mr::expert_choice_outputs{cidx.data(), cgates.data(), cper.data(), &crep});
+    device_vector<float> z(b.z);
+    device_vector<std::int32_t> groups(b.groups.empty() ? std::vector<std::int32_t>{0} : b.groups);
+    device_vector<std::int64_t> cap(b.capacity.empty() ? std::vector<std::int64_t>{0} : b.capacity);
+    device_vector<std::int32_t> didx(pairs), dper(b.N);
+    device_vector<float> dgates(pairs);
+    device_vector<mr::expert_choice_report> drep(1);
+    mr::expert_choice_inputs<float> din = hin;
+    din.logits = z.get();
+    din.group_ids = ptr_or_null(b.groups, groups);
+    din.capacity = ptr_or_null(b.capacity, cap);
+    const std::size_t bytes = mr::cuda::expert_choice_workspace_size(p, b.N, b.E, b.G);
+    device_vector<unsigned char> ws(bytes);
+    mr::cuda::expert_choice(p, din, mr::expert_choice_outputs{didx.get(), dgates.get(), dper.get(), drep.get()},
+                            ws.get(), bytes);
+    cuda_ok(cudaDeviceSynchronize(), "expert_choice");
+    CHECK(didx.download() == cidx);
+    CHECK(dper.download() == cper);
+    CHECK(same_bits(dgates.download(), cgates));
+    const auto dr = drep.download()[0];
+    CHECK(dr.assignments == crep.assignments);
+    CHECK(dr.tokens_without_experts == crep.tokens_without_experts);
+    CHECK(dr.max_experts_per_token == crep.max_experts_per_token);
+    CHECK(dr.invalid == 0);
+    // Dispatch with S = E.
+    const std::int64_t bound = mr::dispatch_rows_bound(b.N, b.E, b.E, 16);
+    std::vector<std::int64_t> counts(b.E), offsets(b.E + 1), perm(bound), inv(pairs);
+    mr::dispatch_inputs hd{cidx.data(), b.N, b.E, b.E, 16, 1, nullptr};
+    mr::cpu::dispatch(hd, mr::dispatch_outputs{counts.data(), offsets.data(), perm.data(), inv.data()});
+    device_vector<std::int64_t> dcounts(b.E), doffsets(b.E + 1), dperm(bound), dinv(pairs);
+    mr::dispatch_inputs dd = hd;
+    dd.indices = didx.get();
+    const std::size_t dbytes = mr::cuda::dispatch_workspace_size(b.N, b.E, b.E);
+    device_vector<unsigned char> dws(dbytes);
+    mr::cuda::dispatch(dd, mr::dispatch_outputs{dcounts.get(), doffsets.get(), dperm.get(), dinv.get()}, dws.get(),
+                       dbytes);
+    cuda_ok(cudaDeviceSynchronize(), "dispatch (expert choice)");
+    CHECK(dcounts.download() == counts);
+    CHECK(doffsets.download() == offsets);
+    CHECK(dperm.download() == perm);
+    CHECK(dinv.download() == inv);
+  }
+}
+
+TEST_CASE("cuda dispatch == cpu dispatch: custom rank map, everything dropped, N = 0" * doctest::skip(!has_device())) {
+  std::mt19937 rng(31);
+  const std::int64_t N = 5000;
+  const int E = 96, S = 6;
+  std::vector<std::int32_t> idx(N * S);
+  std::uniform_int_distribution<int> ue(-1, E - 1);
+  for (auto& x : idx) x = ue(rng);  // duplicates within a token are fine for dispatch
+  std::vector<std::int32_t> map(E);
+  for (int e = 0; e < E; ++e) map[e] = (e * 7) % 5;
+  for (int variant = 0; variant < 3; ++variant) {
+    CAPTURE(variant);
+    std::vector<std::int32_t> in = idx;
+    if (variant == 1) std::fill(in.begin(), in.end(), -1);
+    const std::int64_t n_tokens = variant == 2 ? 0 : N;
+    const std::int64_t bound = mr::dispatch_rows_bound(n_tokens, S, E, 128);
+    std::vector<std::int64_t> counts(E), offsets(E + 1), perm(bound + 1), inv(n_tokens * S + 1), ranks(5);
+    mr::dispatch_inputs hd{in.data(), n_tokens, S, E, 128, 5, map.data()};
+    mr::cpu::dispatch(hd, mr::dispatch_outputs{counts.data(), offsets.data(), perm.data(), inv.data(), ranks.data()});
+    device_vector<std::int32_t> din(in), dmap(map);
+    device_vector<std::int64_t> dcounts(E), doffsets(E + 1), dperm(bound + 1), dinv(n_tokens * S + 1), dranks(5);
+    cuda_ok(cudaMemset(dperm.get(), 0, (bound + 1) * sizeof(std::int64_t)), "memset");
+    cuda_ok(cudaMemset(dinv.get(), 0, (n_tokens * S + 1) * sizeof(std::int64_t)), "memset");
+    perm[bound] = 0;
+    inv[n_tokens * S] = 0;
+    mr::dispatch_inputs dd = hd;
+    dd.indices = din.get();
+    dd.expert_rank = dmap.get();
+    const std::size_t bytes = mr::cuda::dispatch_workspace_size(n_tokens, S, E);
+    device_vector<unsigned char> ws(bytes + 1);
+    mr::cuda::dispatch(dd, mr::dispatch_outputs{dcounts.get(), doffsets.get(), dperm.get(), dinv.get(), dranks.get()},
+                       ws.get(), bytes);
+    cuda_ok(cudaDeviceSynchronize(), "dispatch");
+    CHECK(dcounts.download() == counts);
+    CHECK(doffsets.download() == offsets);
+    CHECK(dperm.download() == perm);  // includes one guard entry past the bound: untouched
+    CHECK(dinv.download() == inv);
+    CHECK(dranks.download() == ranks);
+  }
+}
+
+TEST_CASE("cuda admission: host-side argument errors" * doctest::skip(!has_device())) {
+  auto r = mr::presets::qwen3();
+  const batch b = make_batch(r, 40, 100, 128, 0, 1, false);
+  device_vector<float> z(b.z), gates(b.gates);
+  device_vector<std::int32_t> routed(b.routed), idx(b.N * 8);
+  device_vector<float> out_gates(b.N * 8);
+  mr::admission_inputs<float> din;
+  din.logits = z.get();
+  din.num_tokens = b.N;
+  din.num_experts = b.E;
+  din.routed_indices = routed.get();
+  din.routed_gates = gates.get();
+  const auto p = ad::capacity_probs(1.0);
+  const std::size_t bytes = mr::cuda::admit_workspace_size(r, p, b.N, b.E);
+  device_vector<unsigned char> ws(bytes);
+  const mr::admission_outputs out{idx.get(), out_gates.get()};
+  CHECK_THROWS_WITH_AS(mr::cuda::admit(r, p, din, out, ws.get(), bytes - 1), doctest::Contains("workspace_bytes"),
+                       mr::error);
+  CHECK_THROWS_WITH_AS(mr::cuda::admit(r, ad::cipher_strict(0.0f), din, out, ws.get(), bytes),
+                       doctest::Contains("hidden_norms is null"), mr::error);
+  CHECK_THROWS_AS(mr::cuda::admit(r, ad::capacity_probs(-1.0), din, out, ws.get(), bytes), mr::error);
+  CHECK_THROWS_AS(mr::cuda::dispatch(mr::dispatch_inputs{routed.get(), b.N, 8, b.E, 0, 1, nullptr},
+                                     mr::dispatch_outputs{nullptr, nullptr}, ws.get(), bytes),
+                  mr::error);
+}
+
+TEST_CASE("cuda admission parity: device presence") {
+  if (!has_device())
+    MESSAGE("no CUDA device: the GPU parity cases of this executable are skipped");
+  else
+    MESSAGE("CUDA device present: GPU parity cases ran");
+}
