@@ -8,13 +8,27 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "../../config.hpp"
 #include "../../detail/numerics.hpp"
 #include "../../router.hpp"
 #include "../../types.hpp"
 #include "../../validate.hpp"
+
+// GCC 12 warns (-W[maybe-]uninitialized) inside its own AVX-512 intrinsics
+// when they are inlined (GCC bug 105593: the intrinsics' placeholder
+// operands), so these warnings are off for this backend in AVX-512 builds.
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 
 namespace moe_route::cpu {
 
@@ -34,10 +48,38 @@ struct row_scratch {
   float v[max_experts];               // sanitised logits
   float t[max_experts];               // softmax terms exp(v - max), or scores
   std::uint64_t keys[max_experts];    // packed selection keys
+  std::uint32_t order[max_experts];   // order-preserving images of the keys
+  std::uint64_t candidates[max_experts];           // packed keys that can be among the top K
+  std::int32_t candidate_experts[max_experts + 16];  // their experts (+16: vector stores)
 };
 
 // Sum of x[0..n) in the canonical order a CUDA warp uses (see numerics.hpp).
 inline float lane_sum(const float* x, int n) {
+#if defined(__AVX512F__)
+  // The same additions in the same pairs: lanes 0-15 and 16-31 are two
+  // vectors, a partial last block adds into its first lanes only, and the
+  // butterfly halves the vector five times. Plain adds: nothing to contract.
+  __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+  int base = 0;
+  for (; base + 32 <= n; base += 32) {
+    lo = _mm512_add_ps(lo, _mm512_loadu_ps(x + base));
+    hi = _mm512_add_ps(hi, _mm512_loadu_ps(x + base + 16));
+  }
+  const int rest = n - base;
+  if (rest > 0) {
+    const __mmask16 first = static_cast<__mmask16>(rest >= 16 ? 0xffffu : (1u << rest) - 1u);
+    const __mmask16 second = static_cast<__mmask16>(rest <= 16 ? 0u : (1u << (rest - 16)) - 1u);
+    lo = _mm512_mask_add_ps(lo, first, lo, _mm512_maskz_loadu_ps(first, x + base));
+    hi = _mm512_mask_add_ps(hi, second, hi, _mm512_maskz_loadu_ps(second, x + base + 16));
+  }
+  const __m512 s16 = _mm512_add_ps(lo, hi);
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s16), 1)));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  const __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+  return _mm_cvtss_f32(s1);
+#else
   float lanes[moe_route::detail::reduction_lanes] = {};
   int base = 0;
   for (; base + 32 <= n; base += 32)
@@ -46,12 +88,47 @@ inline float lane_sum(const float* x, int n) {
   for (int offset = 16; offset > 0; offset >>= 1)
     for (int l = 0; l < offset; ++l) lanes[l] = lanes[l] + lanes[l + offset];
   return lanes[0];
+#endif
 }
 
+// The row maximum, starting from -FLT_MAX so that a row of NaNs (all -inf)
+// keeps a finite maximum. The values are never NaN, so the maximum is the
+// same in any order (up to the sign of a zero maximum, which cannot change
+// exp(v - max)), and it is taken 16 lanes at a time.
 inline float row_max(const float* v, int n) {
-  float m = -float_max;  // a row of NaNs (all -inf) keeps a finite maximum
-  for (int e = 0; e < n; ++e) m = moe_route::detail::max(m, v[e]);
-  return m;
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(-float_max);
+  int e = 0;
+  for (; e + 16 <= n; e += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(v + e));
+  if (e < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - e)) - 1u);
+    mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, v + e));
+  }
+  __m256 h = _mm256_max_ps(_mm512_castps512_ps256(mv),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(mv), 1)));
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_max_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+#else
+  constexpr int lanes = 16;
+  float m[lanes];
+  for (int l = 0; l < lanes; ++l) m[l] = -float_max;
+  int base = 0;
+  for (; base + lanes <= n; base += lanes)
+    for (int l = 0; l < lanes; ++l) m[l] = moe_route::detail::max(m[l], v[base + l]);
+  for (int l = 0; base + l < n; ++l) m[l] = moe_route::detail::max(m[l], v[base + l]);
+  float r = m[0];
+  for (int l = 1; l < lanes; ++l) r = moe_route::detail::max(r, m[l]);
+  return r;
+#endif
+}
+
+// Whether any of x[0..n) is NaN or +-inf, in a form the compiler vectorises.
+inline bool any_nonfinite(const float* x, int n) {
+  int bad = 0;
+  for (int e = 0; e < n; ++e) bad |= !moe_route::detail::is_finite(x[e]);
+  return bad != 0;
 }
 
 // Insert a packed key into best[0..k), kept in descending order.
@@ -66,6 +143,146 @@ inline void insert_top(std::uint64_t* best, int k, std::uint64_t key) {
 inline void top_keys(const std::uint64_t* keys, int n, int k, std::uint64_t* best) {
   for (int j = 0; j < k; ++j) best[j] = 0;
   for (int e = 0; e < n; ++e) insert_top(best, k, keys[e]);
+}
+
+// The order-preserving 32-bit image of a selection key: the upper half of its
+// packed key (pack_key orders by this, then by the lower expert index).
+inline std::uint32_t ordered_key(float key) {
+  return static_cast<std::uint32_t>(moe_route::detail::pack_key(key, 0) >> 32);
+}
+
+inline std::uint64_t packed_key(const std::uint32_t* order, int e) {
+  return (static_cast<std::uint64_t>(order[e]) << 32) | (0xffffffffu - static_cast<std::uint32_t>(e));
+}
+
+inline int popcount16(unsigned m) {
+#if defined(__GNUC__) || defined(__clang__)
+  return __builtin_popcount(m);
+#else
+  int c = 0;
+  for (; m != 0; m &= m - 1) ++c;
+  return c;
+#endif
+}
+
+// The experts e with order[e] >= threshold, ascending, into out (room for
+// n + 16 entries); returns their number.
+inline int compact_at_least(const std::uint32_t* order, int n, std::uint32_t threshold, std::int32_t* out) {
+  int count = 0, e = 0;
+#if defined(__AVX512F__)
+  const __m512i bound = _mm512_set1_epi32(static_cast<int>(threshold));
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; e + 16 <= n; e += 16) {
+    const __mmask16 m = _mm512_cmpge_epu32_mask(_mm512_loadu_si512(order + e), bound);
+    _mm512_storeu_si512(out + count, _mm512_maskz_compress_epi32(m, index));
+    count += popcount16(m);
+    index = _mm512_add_epi32(index, step);
+  }
+#endif
+  for (; e < n; ++e) {  // branch-free
+    out[count] = e;
+    count += order[e] >= threshold ? 1 : 0;
+  }
+  return count;
+}
+
+// A lower bound of the k-th largest of order[0..n) (n >= 2 Lanes, k <= Lanes):
+// the k-th largest maximum of Lanes interleaved lanes, since k distinct keys
+// reach it. 0 when fewer than k lanes hold a nonzero key.
+template <int Lanes>
+std::uint32_t lane_bound(const std::uint32_t* order, int n, int k) {
+#if defined(__AVX512F__)
+  if constexpr (Lanes == 16) {
+    __m512i m = _mm512_setzero_si512();
+    int e = 0;
+    for (; e + 16 <= n; e += 16) m = _mm512_max_epu32(m, _mm512_loadu_si512(order + e));
+    if (e < n) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (n - e)) - 1u);
+      m = _mm512_max_epu32(m, _mm512_maskz_loadu_epi32(tail, order + e));
+    }
+    // rank of lane i = the lanes j with m[j] > m[i], over the 15 rotations.
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i fifteen = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
+    __m512i rank = _mm512_setzero_si512();
+    for (int j = 1; j < 16; ++j) {
+      const __m512i rotated = _mm512_permutexvar_epi32(_mm512_and_si512(_mm512_add_epi32(iota, _mm512_set1_epi32(j)), fifteen), m);
+      rank = _mm512_mask_add_epi32(rank, _mm512_cmpgt_epu32_mask(rotated, m), rank, one);
+    }
+    const __mmask16 top = _mm512_cmplt_epi32_mask(rank, _mm512_set1_epi32(k));
+    const __m512i kept = _mm512_mask_blend_epi32(top, _mm512_set1_epi32(-1), m);
+    __m256i h = _mm256_min_epu32(_mm512_castsi512_si256(kept), _mm512_extracti64x4_epi64(kept, 1));
+    __m128i q = _mm_min_epu32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    q = _mm_min_epu32(q, _mm_shuffle_epi32(q, 0x4e));
+    q = _mm_min_epu32(q, _mm_shuffle_epi32(q, 0xb1));
+    return static_cast<std::uint32_t>(_mm_cvtsi128_si32(q));
+  }
+#endif
+  std::uint32_t m[Lanes] = {};
+  int base = 0;
+  for (; base + Lanes <= n; base += Lanes)
+    for (int l = 0; l < Lanes; ++l) m[l] = std::max(m[l], order[base + l]);
+  for (int l = 0; base + l < n; ++l) m[l] = std::max(m[l], order[base + l]);
+  std::uint32_t bound = ~std::uint32_t{0};  // the smallest lane maximum of rank < k
+  for (int i = 0; i < Lanes; ++i) {
+    int rank = 0;
+    for (int j = 0; j < Lanes; ++j) rank += m[j] > m[i] ? 1 : 0;
+    bound = rank < k ? std::min(bound, m[i]) : bound;
+  }
+  return bound;
+}
+
+// The k largest packed keys (order[e], then the lower e), descending: the
+// result of top_keys over every packed key, found by ranking only the few
+// keys at or above a lane bound. `keys` holds the packed keys when some are
+// masked to 0 (group-limited selection; their order is 0 too), else nullptr.
+inline void select_top(const std::uint32_t* order, const std::uint64_t* keys, int n, int k, std::uint64_t* best,
+                       row_scratch& s) {
+  constexpr int small = 16, large = 32, max_ranked = 64;
+  std::uint32_t bound = 0;
+  if (k <= small && n >= 2 * small)
+    bound = lane_bound<small>(order, n, k);
+  else if (n >= 2 * large)
+    bound = lane_bound<large>(order, n, k);
+  if (bound == 0) {  // short rows, or fewer than k lanes with a key
+    if (keys == nullptr) {
+      for (int e = 0; e < n; ++e) s.keys[e] = packed_key(order, e);
+      keys = s.keys;
+    }
+    top_keys(keys, n, k, best);
+    return;
+  }
+  // Candidates have order >= bound > 0: never masked, packed key = packed_key().
+  const int count = compact_at_least(order, n, bound, s.candidate_experts);
+  std::uint64_t* candidates = s.candidates;
+  for (int i = 0; i < count; ++i) candidates[i] = packed_key(order, s.candidate_experts[i]);
+  if (count > max_ranked) {
+    top_keys(candidates, count, k, best);
+    return;
+  }
+  // Rank the (unique) candidates against each other, branch-free.
+  std::uint64_t slots[max_top_k + 1];
+#if defined(__AVX512F__)
+  if (count <= 16) {
+    const __mmask8 lo = static_cast<__mmask8>(count >= 8 ? 0xffu : (1u << count) - 1u);
+    const __mmask8 hi = static_cast<__mmask8>(count >= 16 ? 0xffu : count <= 8 ? 0u : (1u << (count - 8)) - 1u);
+    const __m512i c0 = _mm512_maskz_loadu_epi64(lo, candidates);  // absent lanes are 0, below every key
+    const __m512i c1 = _mm512_maskz_loadu_epi64(hi, candidates + 8);
+    for (int i = 0; i < count; ++i) {
+      const __m512i ci = _mm512_set1_epi64(static_cast<long long>(candidates[i]));
+      const int rank = popcount16(_mm512_cmpgt_epu64_mask(c0, ci)) + popcount16(_mm512_cmpgt_epu64_mask(c1, ci));
+      slots[rank < k ? rank : k] = candidates[i];
+    }
+    for (int j = 0; j < k; ++j) best[j] = slots[j];
+    return;
+  }
+#endif
+  for (int i = 0; i < count; ++i) {
+    int rank = 0;
+    for (int j = 0; j < count; ++j) rank += candidates[j] > candidates[i] ? 1 : 0;
+    slots[rank < k ? rank : k] = candidates[i];
+  }
+  for (int j = 0; j < k; ++j) best[j] = slots[j];
 }
 
 // Group-limited selection: zero the keys of every expert outside the
@@ -90,27 +307,42 @@ void mask_groups(const Grouped& g, std::uint64_t* keys, int num_experts) {
     if (!keep[e / size]) keys[e] = 0;
 }
 
+// The sanitised logits of one row and whether the row held NaN or +-inf.
+// Sanitising changes only non-finite values, so a finite fp32 row is used in
+// place; other rows are converted (and sanitised if needed) into buf.
+template <class T>
+const float* load_row(const T* z, int num_experts, float* buf, bool& nonfinite) {
+  const float* v;
+  if constexpr (std::is_same_v<T, float>) {
+    v = z;
+  } else {
+    for (int e = 0; e < num_experts; ++e) buf[e] = moe_route::detail::to_float(z[e]);
+    v = buf;
+  }
+  nonfinite = any_nonfinite(v, num_experts);
+  if (nonfinite) {
+    for (int e = 0; e < num_experts; ++e) buf[e] = moe_route::detail::sanitize(v[e]);
+    v = buf;
+  }
+  return v;
+}
+
 // Row state shared by forward and backward: sanitised logits, and for
 // row_softmax the terms and their canonical sum.
 template <class Router, class T>
 struct row_state {
   using G = typename Router::gating_type;
   row_scratch& s;
+  const float* v;  // sanitised logits
   int num_experts;
   float sum = 0.0f;
   bool nonfinite = false;
 
   row_state(row_scratch& scratch, const T* z, int e_count) : s(scratch), num_experts(e_count) {
-    bool bad = false;
-    for (int e = 0; e < num_experts; ++e) {
-      const float raw = moe_route::detail::to_float(z[e]);
-      bad |= !moe_route::detail::is_finite(raw);
-      s.v[e] = moe_route::detail::sanitize(raw);
-    }
-    nonfinite = bad;
+    v = load_row(z, num_experts, s.v, nonfinite);
     if constexpr (G::shape == gating::kind::row_softmax) {
-      const float m = row_max(s.v, num_experts);
-      for (int e = 0; e < num_experts; ++e) s.t[e] = G::term(s.v[e], m);
+      const float m = row_max(v, num_experts);
+      for (int e = 0; e < num_experts; ++e) s.t[e] = G::term(v[e], m);
       sum = lane_sum(s.t, num_experts);
     }
   }
@@ -120,45 +352,77 @@ struct row_state {
     if constexpr (G::shape == gating::kind::row_softmax)
       return sum > 0.0f ? moe_route::detail::div(s.t[e], sum) : 0.0f;
     else if constexpr (G::shape == gating::kind::elementwise)
-      return G::score(s.v[e]);
+      return G::score(v[e]);
     else
-      return s.v[e];
+      return v[e];
   }
 };
 
 template <class Router, class T>
 bool route_row(const Router& r, const T* z, int num_experts, std::int64_t token, const float* bias,
                row_scratch& scratch, std::int32_t* indices, float* gates) {
+  using G = typename Router::gating_type;
   using S = typename Router::selection_type;
   const int k = r.top_k;
   row_state<Router, T> row(scratch, z, num_experts);
+  const float* v = row.v;
 
   int chosen[Router::max_k];
+  float selected[Router::max_k];
   if constexpr (S::shape == selection::kind::fixed) {
     for (int j = 0; j < k; ++j) chosen[j] = S::expert(token, j, k, num_experts);
+    for (int j = 0; j < k; ++j) selected[j] = row.score(chosen[j]);
   } else {
     const float neg_inf = -moe_route::detail::infinity();
-    for (int e = 0; e < num_experts; ++e) {
-      const float v = scratch.v[e];
-      float key = neg_inf;  // a NaN logit (v = -inf) ranks below every number
-      if (v != neg_inf) {
-        const float s = S::needs_scores ? row.score(e) : 0.0f;
-        const float b = S::needs_expert_bias ? bias[e] : 0.0f;
-        key = S::key(v, s, b);
+    std::uint32_t* order = scratch.order;
+    if constexpr (!S::needs_scores && !S::needs_expert_bias) {
+      // Keys from the logits alone (top_k: the logit, -inf for a NaN logit).
+      for (int e = 0; e < num_experts; ++e)
+        order[e] = ordered_key(v[e] != neg_inf ? S::key(v[e], 0.0f, 0.0f) : neg_inf);
+    } else {
+      // Scores of every expert first (kept for the gates), then the keys; a
+      // NaN logit (v = -inf) ranks below every number whatever its key.
+      float* scores = scratch.t;
+      if constexpr (G::shape == gating::kind::row_softmax) {
+        if (row.sum > 0.0f)
+          for (int e = 0; e < num_experts; ++e) scores[e] = moe_route::detail::div(scratch.t[e], row.sum);
+        else
+          for (int e = 0; e < num_experts; ++e) scores[e] = 0.0f;
+      } else if constexpr (G::shape == gating::kind::elementwise) {
+        for (int e = 0; e < num_experts; ++e) scores[e] = G::score(v[e]);
+      } else {
+        for (int e = 0; e < num_experts; ++e) scores[e] = 0.0f;
       }
-      scratch.keys[e] = moe_route::detail::pack_key(key, e);
+      for (int e = 0; e < num_experts; ++e) {
+        const float sc = S::needs_scores ? scores[e] : 0.0f;
+        const float b = S::needs_expert_bias ? bias[e] : 0.0f;
+        const float key = S::key(v[e], sc, b);
+        order[e] = ordered_key(v[e] != neg_inf ? key : neg_inf);
+      }
     }
-    if constexpr (S::shape == selection::kind::grouped) mask_groups(r.selection, scratch.keys, num_experts);
     std::uint64_t best[Router::max_k];
-    top_keys(scratch.keys, num_experts, k, best);
+    if constexpr (S::shape == selection::kind::grouped) {
+      std::uint64_t* keys = scratch.keys;
+      for (int e = 0; e < num_experts; ++e) keys[e] = packed_key(order, e);
+      mask_groups(r.selection, keys, num_experts);
+      for (int e = 0; e < num_experts; ++e) order[e] = static_cast<std::uint32_t>(keys[e] >> 32);
+      select_top(order, keys, num_experts, k, best, scratch);
+    } else {
+      select_top(order, nullptr, num_experts, k, best, scratch);
+    }
     for (int j = 0; j < k; ++j) chosen[j] = moe_route::detail::packed_expert(best[j]);
+    if constexpr (S::needs_scores || S::needs_expert_bias) {
+      if constexpr (G::shape != gating::kind::selected_softmax) {
+        for (int j = 0; j < k; ++j) selected[j] = scratch.t[chosen[j]];
+      } else {
+        for (int j = 0; j < k; ++j) selected[j] = row.score(chosen[j]);
+      }
+    } else {
+      for (int j = 0; j < k; ++j) selected[j] = row.score(chosen[j]);
+    }
   }
 
-  float selected[Router::max_k];
-  for (int j = 0; j < k; ++j) {
-    selected[j] = row.score(chosen[j]);
-    indices[j] = chosen[j];
-  }
+  for (int j = 0; j < k; ++j) indices[j] = chosen[j];
   moe_route::detail::gate_weights(r, selected, gates, k);
   return row.nonfinite;
 }
@@ -168,22 +432,41 @@ void backward_row(const Router& r, const T* z, int num_experts, const std::int32
                   row_scratch& scratch, float* dz) {
   using G = typename Router::gating_type;
   const int k = r.top_k;
-  row_state<Router, T> row(scratch, z, num_experts);
   float selected[Router::max_k];
   float dsel[Router::max_k];
-  for (int j = 0; j < k; ++j) selected[j] = row.score(indices[j]);
-  moe_route::detail::gate_weights_vjp(r, selected, dw, dsel, k);
 
   if constexpr (G::shape == gating::kind::row_softmax) {
+    row_state<Router, T> row(scratch, z, num_experts);
+    for (int j = 0; j < k; ++j) selected[j] = row.score(indices[j]);
+    moe_route::detail::gate_weights_vjp(r, selected, dw, dsel, k);
     float dot = 0.0f;  // <ds, s>, nonzero terms only at the selected experts
     for (int j = 0; j < k; ++j) dot = moe_route::detail::fma(dsel[j], selected[j], dot);
-    for (int e = 0; e < num_experts; ++e) dz[e] = row.score(e) * -dot;
+    const float neg_dot = -dot;
+    if (row.sum > 0.0f) {
+      const float sum = row.sum;
+      for (int e = 0; e < num_experts; ++e) dz[e] = moe_route::detail::div(scratch.t[e], sum) * neg_dot;
+    } else {
+      for (int e = 0; e < num_experts; ++e) dz[e] = 0.0f * neg_dot;
+    }
     for (int j = 0; j < k; ++j) dz[indices[j]] = selected[j] * (dsel[j] - dot);
   } else {
+    // Elementwise and selected-softmax gradients are nonzero only at the
+    // selected experts. The whole row is still loaded: that measured faster
+    // than K scattered loads (the sequential loads keep the prefetcher busy).
+    float v[Router::max_k];
+    row_state<Router, T> row(scratch, z, num_experts);
+    for (int j = 0; j < k; ++j) v[j] = row.v[indices[j]];
+    for (int j = 0; j < k; ++j) {
+      if constexpr (G::shape == gating::kind::elementwise)
+        selected[j] = G::score(v[j]);
+      else
+        selected[j] = v[j];
+    }
+    moe_route::detail::gate_weights_vjp(r, selected, dw, dsel, k);
     for (int e = 0; e < num_experts; ++e) dz[e] = 0.0f;
     for (int j = 0; j < k; ++j) {
       if constexpr (G::shape == gating::kind::elementwise)
-        dz[indices[j]] = dsel[j] * G::derivative(scratch.v[indices[j]], selected[j]);
+        dz[indices[j]] = dsel[j] * G::derivative(v[j], selected[j]);
       else
         dz[indices[j]] = dsel[j];
     }
@@ -201,7 +484,7 @@ void for_token_blocks(std::int64_t num_tokens, const execution& ex, Body body) {
   threads = std::max(threads, 1);
   const std::int64_t block = (num_tokens + threads - 1) / threads;
   std::vector<std::unique_ptr<row_scratch>> scratch(threads);
-  for (auto& s : scratch) s = std::make_unique<row_scratch>();
+  for (auto& s : scratch) s.reset(new row_scratch);  // default-initialised: no 128 KiB memset per call
   std::vector<std::thread> pool;
   pool.reserve(threads - 1);
   for (int w = 1; w < threads; ++w) {
@@ -259,3 +542,7 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
 }
 
 }  // namespace moe_route::cpu
+
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
