@@ -55,7 +55,8 @@ MOE_ROUTE_HD void gate_weights(const Router& r, const float* selected, float* w,
       w[j] = Router::gating_type::term(selected[j], m);
       sum += w[j];
     }
-    for (int j = 0; j < k; ++j) w[j] = div(w[j], sum) * r.scaling_factor;
+    // sum = 0 only if every selected logit is NaN: no distribution, gates 0.
+    for (int j = 0; j < k; ++j) w[j] = sum > 0.0f ? div(w[j], sum) * r.scaling_factor : 0.0f;
   } else if (r.normalize) {
     float sum = 0.0f;
     for (int j = 0; j < k; ++j) sum += selected[j];
@@ -81,7 +82,7 @@ MOE_ROUTE_HD void gate_weights_vjp(const Router& r, const float* selected, const
     }
     float dot = 0.0f;  // <q, g>, g = scale * dw
     for (int j = 0; j < k; ++j) {
-      dsel[j] = div(dsel[j], sum);
+      dsel[j] = sum > 0.0f ? div(dsel[j], sum) : 0.0f;
       dot = fma(dsel[j], scale * dw[j], dot);
     }
     for (int j = 0; j < k; ++j) dsel[j] = dsel[j] * fma(scale, dw[j], -dot);

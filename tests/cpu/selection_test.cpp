@@ -78,18 +78,18 @@ TEST_CASE("expert_bias: the bias steers selection only; gates use s") {
   const std::vector<float> b = {0.0f, 0.1f, -0.1f, 0.2f, -0.5f};
   const auto o = ref::run(r, z, 1, 5, b.data());
   // keys: 0.5, 0.6, 0.4, 0.7, 0.731 - 0.5 = 0.231
-  CHECK(o.idx == std::vector<std::int32_t>{3, 1});
-  CHECK(o.gates == std::vector<float>{0.5f, 0.5f});
+  MOE_CHECK_VEC(o.idx, (std::vector<std::int32_t>{3, 1}));
+  MOE_CHECK_VEC(o.gates, (std::vector<float>{0.5f, 0.5f}));
   // with expert_bias the key is a score, not a logit: saturated sigmoid scores tie
   const std::vector<float> z2 = {30.0f, 40.0f, 35.0f, -1.0f, 0.0f};
   const std::vector<float> b0(5, 0.0f);
   const auto o2 = ref::run(r, z2, 1, 5, b0.data());
-  CHECK(o2.idx == std::vector<std::int32_t>{0, 1});  // s = 1.0f for all three: lower index
+  MOE_CHECK_VEC(o2.idx, (std::vector<std::int32_t>{0, 1}));  // s = 1.0f for all three: lower index
   // ... whereas top_k keys on the logit
   router<mr::gating::sigmoid, sel::top_k> t;
   t.top_k = 2;
   const auto o3 = ref::run(t, z2, 1, 5);
-  CHECK(o3.idx == std::vector<std::int32_t>{1, 2});
+  MOE_CHECK_VEC(o3.idx, (std::vector<std::int32_t>{1, 2}));
 }
 
 TEST_CASE("expert_bias: a NaN logit stays below every number whatever its bias") {
@@ -98,30 +98,31 @@ TEST_CASE("expert_bias: a NaN logit stays below every number whatever its bias")
   const std::vector<float> z = {fnan(), 0.0f, -finf(), 1.0f};
   const std::vector<float> b = {100.0f, 0.0f, 0.0f, 0.0f};
   const auto o = ref::run(r, z, 1, 4, b.data());
-  CHECK(o.idx == std::vector<std::int32_t>{3, 1});
+  MOE_CHECK_VEC(o.idx, (std::vector<std::int32_t>{3, 1}));
   r.top_k = 4;
   const auto all = ref::run(r, z, 1, 4, b.data());
-  CHECK(all.idx == std::vector<std::int32_t>{3, 1, 2, 0});
+  MOE_CHECK_VEC(all.idx, (std::vector<std::int32_t>{3, 1, 2, 0}));
 }
 
 // POLICIES.md section 2: "NaN keys rank below -inf". Under expert_bias the key
 // is s + b, so a NaN entry in the caller's bias makes that expert's key NaN,
-// which must then rank last, not first.
+// which must then rank last, not first (and +-inf keys saturate like logits).
 TEST_CASE("expert_bias: a NaN key (from a NaN bias entry) ranks below -inf" * doctest::may_fail()) {
   router<mr::gating::sigmoid, sel::expert_bias> r;
   r.top_k = 2;
-  const std::vector<float> z = {0.0f, 0.0f, 0.0f, 0.0f};
-  const std::vector<float> b = {fnan(), 0.1f, 0.0f, -finf()};
-  CHECK(ref::run(r, z, 1, 4, b.data()).idx == std::vector<std::int32_t>{1, 2});
+  const std::vector<float> z = {0.0f, 0.0f, 0.0f, 0.0f};          // s = 0.5 everywhere
+  const std::vector<float> b = {fnan(), -0.3f, 0.0f, -finf()};    // keys NaN, 0.2, 0.5, -inf
+  MOE_CHECK_VEC(ref::run(r, z, 1, 4, b.data()).idx, (std::vector<std::int32_t>{2, 1}));
   r.top_k = 4;
-  CHECK(ref::run(r, z, 1, 4, b.data()).idx == std::vector<std::int32_t>{1, 2, 3, 0});
-  // the same under group_limited: a group whose score is NaN ranks last
+  MOE_CHECK_VEC(ref::run(r, z, 1, 4, b.data()).idx, (std::vector<std::int32_t>{2, 1, 3, 0}));
+  // the same under group_limited: group 0's best key is 0.2 (NaN ranks last),
+  // group 1's is 0.5, so group 1 is kept
   router<mr::gating::sigmoid, sel::group_limited<sel::expert_bias>> gr;
   gr.top_k = 2;
   gr.selection.groups = 2;
   gr.selection.top_groups = 1;
   gr.selection.per_group_k = 1;
-  CHECK(ref::run(gr, z, 1, 4, b.data()).idx == std::vector<std::int32_t>{2, 3});
+  MOE_CHECK_VEC(ref::run(gr, z, 1, 4, b.data()).idx, (std::vector<std::int32_t>{2, 3}));
 }
 
 TEST_CASE("top_k keys on the sanitised logit: ties, signed zeros, infinities, NaN") {
@@ -143,26 +144,26 @@ TEST_CASE("top_k keys on the sanitised logit: ties, signed zeros, infinities, Na
     CHECK(ref::run(r, std::vector<float>{0.0f, -0.0f, -1.0f}, 1, 3).idx[0] == 0);
     CHECK(ref::run(r, std::vector<float>{-1.0f, -0.0f, 0.0f}, 1, 3).idx[0] == 1);
     r.top_k = 3;
-    CHECK(ref::run(r, std::vector<float>{-1.0f, -0.0f, 0.0f}, 1, 3).idx == std::vector<std::int32_t>{1, 2, 0});
+    MOE_CHECK_VEC(ref::run(r, std::vector<float>{-1.0f, -0.0f, 0.0f}, 1, 3).idx, (std::vector<std::int32_t>{1, 2, 0}));
   }
   SUBCASE("+inf saturates to FLT_MAX and ties with it; -inf ties with -FLT_MAX; NaN below -inf") {
     r.top_k = 2;
-    CHECK(ref::run(r, std::vector<float>{big, finf(), 1.0f}, 1, 3).idx == std::vector<std::int32_t>{0, 1});
-    CHECK(ref::run(r, std::vector<float>{1.0f, finf(), big}, 1, 3).idx == std::vector<std::int32_t>{1, 2});
-    CHECK(ref::run(r, std::vector<float>{fnan(), -finf(), -big}, 1, 3).idx == std::vector<std::int32_t>{1, 2});
-    CHECK(ref::run(r, std::vector<float>{fnan(), fnan(), -finf()}, 1, 3).idx == std::vector<std::int32_t>{2, 0});
-    CHECK(ref::run(r, std::vector<float>{-big, fnan(), -finf()}, 1, 3).idx == std::vector<std::int32_t>{0, 2});
+    MOE_CHECK_VEC(ref::run(r, std::vector<float>{big, finf(), 1.0f}, 1, 3).idx, (std::vector<std::int32_t>{0, 1}));
+    MOE_CHECK_VEC(ref::run(r, std::vector<float>{1.0f, finf(), big}, 1, 3).idx, (std::vector<std::int32_t>{1, 2}));
+    MOE_CHECK_VEC(ref::run(r, std::vector<float>{fnan(), -finf(), -big}, 1, 3).idx, (std::vector<std::int32_t>{1, 2}));
+    MOE_CHECK_VEC(ref::run(r, std::vector<float>{fnan(), fnan(), -finf()}, 1, 3).idx, (std::vector<std::int32_t>{2, 0}));
+    MOE_CHECK_VEC(ref::run(r, std::vector<float>{-big, fnan(), -finf()}, 1, 3).idx, (std::vector<std::int32_t>{0, 2}));
   }
   SUBCASE("sigmoid scores saturate at 1 but the logits still rank") {
     r.top_k = 3;
     const auto o = ref::run(r, std::vector<float>{20.0f, 30.0f, 25.0f, 0.0f}, 1, 4);
-    CHECK(o.idx == std::vector<std::int32_t>{1, 2, 0});
+    MOE_CHECK_VEC(o.idx, (std::vector<std::int32_t>{1, 2, 0}));
     for (float w : o.gates) CHECK(w == doctest::Approx(1.0 / 3).epsilon(1e-6));
   }
   SUBCASE("huge magnitudes rank exactly") {
     r.top_k = 3;
     const auto o = ref::run(r, std::vector<float>{1e30f, -1e30f, 1.0000001e30f, 80.0f, -80.0f}, 1, 5);
-    CHECK(o.idx == std::vector<std::int32_t>{2, 0, 3});
+    MOE_CHECK_VEC(o.idx, (std::vector<std::int32_t>{2, 0, 3}));
   }
   SUBCASE("NaN is never selected while a number exists (random positions)") {
     ref::rng g(5);
@@ -214,8 +215,8 @@ TEST_CASE("N = 0: no error, nothing written, null pointers allowed") {
       const auto rep = mr::cpu::route(r, in, out, mr::cpu::execution{threads});
       CHECK(rep.nonfinite_rows == 0);
     }
-    CHECK(idx == std::vector<std::int32_t>(4, -3));
-    CHECK(gates == std::vector<float>(4, -3.0f));
+    MOE_CHECK_VEC(idx, (std::vector<std::int32_t>(4, -3)));
+    MOE_CHECK_VEC(gates, (std::vector<float>(4, -3.0f)));
     CHECK(counter == 0);
     // backward with N = 0 writes nothing either
     std::vector<float> dz(16, -3.0f);
@@ -224,7 +225,7 @@ TEST_CASE("N = 0: no error, nothing written, null pointers allowed") {
     args.grad_gates = gates.data();
     args.grad_logits = dz.data();
     mr::cpu::backward(r, in, args);
-    CHECK(dz == std::vector<float>(16, -3.0f));
+    MOE_CHECK_VEC(dz, (std::vector<float>(16, -3.0f)));
   }
   SUBCASE("grouped and biased selections too") {
     router<mr::gating::sigmoid, sel::group_limited<sel::expert_bias>> gr;
@@ -295,7 +296,7 @@ TEST_CASE("fixed: expert (t*K + j) mod E, gates from the scores at those experts
   std::vector<float> nan_row(E, fnan());
   nan_row[0] = 5.0f;
   const auto on = ref::run(r, nan_row, 1, E);
-  CHECK(on.idx == std::vector<std::int32_t>{0, 1, 2});
+  MOE_CHECK_VEC(on.idx, (std::vector<std::int32_t>{0, 1, 2}));
   CHECK(on.gates[0] == doctest::Approx(1.0).epsilon(1e-6));
   CHECK(on.gates[1] == 0.0f);
   CHECK(on.report == 1);
@@ -338,22 +339,22 @@ TEST_CASE("group_limited: hand-constructed rows") {
   r.selection.groups = 4;
   r.selection.top_groups = 2;
   r.selection.per_group_k = 2;
-  CHECK(ref::run(r, z, 1, E).idx == std::vector<std::int32_t>{4, 5});
+  MOE_CHECK_VEC(ref::run(r, z, 1, E).idx, (std::vector<std::int32_t>{4, 5}));
   r.top_k = 4;
-  CHECK(ref::run(r, z, 1, E).idx == std::vector<std::int32_t>{4, 5, 8, 9});
+  MOE_CHECK_VEC(ref::run(r, z, 1, E).idx, (std::vector<std::int32_t>{4, 5, 8, 9}));
   r.selection.top_groups = 3;  // group 0 ties group 3 at 0: the lower group index is kept
   r.top_k = 3;
-  CHECK(ref::run(r, z, 1, E).idx == std::vector<std::int32_t>{0, 4, 5});
+  MOE_CHECK_VEC(ref::run(r, z, 1, E).idx, (std::vector<std::int32_t>{0, 4, 5}));
   r.selection.per_group_k = 1;  // group scores 10, 1, 0.9, 0
   r.selection.top_groups = 2;
   r.top_k = 2;
-  CHECK(ref::run(r, z, 1, E).idx == std::vector<std::int32_t>{0, 4});
+  MOE_CHECK_VEC(ref::run(r, z, 1, E).idx, (std::vector<std::int32_t>{0, 4}));
   r.selection.per_group_k = 4;  // sums -20, 2, 1.8, 0
   r.selection.top_groups = 1;
-  CHECK(ref::run(r, z, 1, E).idx == std::vector<std::int32_t>{4, 5});
+  MOE_CHECK_VEC(ref::run(r, z, 1, E).idx, (std::vector<std::int32_t>{4, 5}));
   r.selection.top_groups = 4;  // every group kept: plain top-k
   r.top_k = 3;
-  CHECK(ref::run(r, z, 1, E).idx == std::vector<std::int32_t>{0, 4, 5});
+  MOE_CHECK_VEC(ref::run(r, z, 1, E).idx, (std::vector<std::int32_t>{0, 4, 5}));
 }
 
 TEST_CASE("group_limited: ties between groups go to the lower group index") {
@@ -365,25 +366,25 @@ TEST_CASE("group_limited: ties between groups go to the lower group index") {
   r.top_k = 4;
   r.selection.groups = 4;
   r.selection.top_groups = 2;
-  CHECK(ref::run(r, z, 1, E).idx == std::vector<std::int32_t>{0, 4, 1, 5});
+  MOE_CHECK_VEC(ref::run(r, z, 1, E).idx, (std::vector<std::int32_t>{0, 4, 1, 5}));
   // the same with the bias policy and a zero bias
   router<mr::gating::sigmoid, sel::group_limited<sel::expert_bias>> b;
   b.top_k = 4;
   b.selection.groups = 4;
   b.selection.top_groups = 2;
   const std::vector<float> zero(E, 0.0f);
-  CHECK(ref::run(b, z, 1, E, zero.data()).idx == std::vector<std::int32_t>{0, 4, 1, 5});
+  MOE_CHECK_VEC(ref::run(b, z, 1, E, zero.data()).idx, (std::vector<std::int32_t>{0, 4, 1, 5}));
   // a bias that lifts group 3's best expert moves group 3 in, replacing group 1
   std::vector<float> lift(E, 0.0f);
   lift[13] = 0.001f;
-  CHECK(ref::run(b, z, 1, E, lift.data()).idx == std::vector<std::int32_t>{0, 12, 13, 1});
+  MOE_CHECK_VEC(ref::run(b, z, 1, E, lift.data()).idx, (std::vector<std::int32_t>{0, 12, 13, 1}));
   // groups made only of NaN rank last
   std::vector<float> zn = z;
   for (int e = 0; e < 4; ++e) zn[e] = fnan();
-  CHECK(ref::run(r, zn, 1, E).idx == std::vector<std::int32_t>{4, 8, 5, 9});
+  MOE_CHECK_VEC(ref::run(r, zn, 1, E).idx, (std::vector<std::int32_t>{4, 8, 5, 9}));
   // all NaN: groups tie at -inf, groups 0 and 1 kept, experts 0.. in order
   const std::vector<float> all_nan(E, fnan());
-  CHECK(ref::run(r, all_nan, 1, E).idx == std::vector<std::int32_t>{0, 1, 2, 3});
+  MOE_CHECK_VEC(ref::run(r, all_nan, 1, E).idx, (std::vector<std::int32_t>{0, 1, 2, 3}));
 }
 
 TEST_CASE_TEMPLATE("group_limited: random rows against the sort-based and brute-force references", T, float,

@@ -80,7 +80,7 @@ MOE_ROUTE_HD float max(float a, float b) { return a < b ? b : a; }
 // (x < -87) are flushed to 0 so the final scaling is always exact.
 MOE_ROUTE_HD float exp(float x) {
   if (is_nan(x)) return x;
-  if (x >= 88.72283172607421875f) return infinity();
+  if (x > 88.72283172607421875f) return infinity();  // the largest float below ln(FLT_MAX)
   if (x < -87.0f) return 0.0f;
   // n = round(x / ln 2) by the 1.5 * 2^23 shifter; r = x - n ln 2 in two steps.
   const float shifter = 12582912.0f;
@@ -172,10 +172,11 @@ MOE_ROUTE_HD float sanitize(float z) {
 
 // A selection key packed with its expert index so that one unsigned maximum
 // orders by key (descending) and then by index (ascending). Key 0 is below
-// every real key and marks "no candidate". -0.0 and +0.0 compare equal.
+// every real key and marks "no candidate". -0.0 and +0.0 compare equal. A NaN
+// key (e.g. from a NaN in a caller's bias) ranks below every number, -inf included.
 MOE_ROUTE_HD std::uint64_t pack_key(float key, int expert) {
   std::uint32_t u = float_to_bits(key == 0.0f ? 0.0f : key);
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  u = is_nan(key) ? 0u : ((u & 0x80000000u) ? ~u : (u | 0x80000000u));
   return (static_cast<std::uint64_t>(u) << 32) | (0xffffffffu - static_cast<std::uint32_t>(expert));
 }
 
