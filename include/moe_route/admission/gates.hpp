@@ -16,7 +16,7 @@
 //      normalize on:       S = (sigma_0 + ... + sigma_{K-1}) + 1e-20f     (slot order)
 //                          y(x) = div(x, S) * scale   (rounded once, as fma(., scale, 0))
 //      softmax_after_topk: M = max_j sigma_j, D = sum_j exp(sigma_j - M)   (slot order)
-//                          y(x) = div(exp(x - M), D) * scale
+//                          y(x) = div(exp(x - M), D) * scale   (0 if D = 0: all NaN)
 //      otherwise:          y(x) = x * scale
 //    so w_j = y(sigma_j) (up to the sign of a zero, which no sum can see).
 // 2. base_j = w_j (kept: the routed gate, copied), y(phi_j) (rerouted: "s_{t,e'}
@@ -82,8 +82,9 @@ MOE_ROUTE_HD normaliser make_normaliser(const Router& r, const float* sigma, int
 template <class Router>
 MOE_ROUTE_HD float normalised(const Router& r, const normaliser& n, float x) {
   using G = typename Router::gating_type;
-  if constexpr (G::shape == gating::kind::selected_softmax)
-    return moe_route::detail::fma(moe_route::detail::div(G::term(x, n.max), n.sum), r.scaling_factor, 0.0f);
+  if constexpr (G::shape == gating::kind::selected_softmax)  // D = 0: every routed logit NaN, no distribution
+    return n.sum > 0.0f ? moe_route::detail::fma(moe_route::detail::div(G::term(x, n.max), n.sum), r.scaling_factor, 0.0f)
+                        : 0.0f;
   else if (r.normalize)
     return moe_route::detail::fma(moe_route::detail::div(x, n.sum), r.scaling_factor, 0.0f);
   else
@@ -184,9 +185,9 @@ MOE_ROUTE_HD void admitted_gate_weights_vjp(const Router& r, const float* sigma,
   // of detail::gate_weights_vjp (slot order), then the rerouted slots.
   if constexpr (G::shape == gating::kind::selected_softmax) {
     float q[max_top_k], qn[max_top_k];
-    for (int j = 0; j < k; ++j) {
-      q[j] = moe_route::detail::div(G::term(sigma[j], n.max), n.sum);
-      qn[j] = status_of(routed[j], admitted[j]) == slot_status::rerouted
+    for (int j = 0; j < k; ++j) {  // as detail::gate_weights_vjp: q = 0 when D = 0
+      q[j] = n.sum > 0.0f ? moe_route::detail::div(G::term(sigma[j], n.max), n.sum) : 0.0f;
+      qn[j] = status_of(routed[j], admitted[j]) == slot_status::rerouted && n.sum > 0.0f
                   ? moe_route::detail::div(G::term(phi[j], n.max), n.sum)
                   : 0.0f;
     }
