@@ -20,7 +20,7 @@ namespace moe_route::cuda::detail {
 
 namespace num = moe_route::detail;
 
-// Group-limited selection, precomputed on the host (dispatch.cuh). Groups are
+// Group-limited selection, precomputed on the host (make_group_layout). Groups are
 // scored from the warp's packed keys staged in shared memory: the groups are
 // spread over aligned segments of lanes_per_group lanes (32 / the power of two
 // >= groups); each segment finds its group's best keys, one round per key.

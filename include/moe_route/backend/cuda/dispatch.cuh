@@ -9,7 +9,9 @@
 #include <cstdint>
 
 #include "../../gating/gating.hpp"
+#include "../../router.hpp"
 #include "../../selection/selection.hpp"
+#include "../../selection/top_k.hpp"
 #include "../../types.hpp"
 #include "agent_common.cuh"
 #include "error.cuh"
@@ -84,8 +86,35 @@ void launch_backward_general(const Router& r, const backward_params<T>& p, cudaS
   check_launch("moe_route::cuda::backward: launch of the general kernel");
 }
 
+// The backward depends on the gating, K and the gate parameters (normalize,
+// scaling_factor), never on the selection: routers that differ only in their
+// selection share one set of backward kernels by running as the equivalent
+// router<Gating, top_k, MaxK>. A router field added later that the backward
+// needs must be copied here; the size check below catches most additions.
+template <class Router>
+using backward_router_t = router<typename Router::gating_type, selection::top_k, Router::max_k>;
+
+template <class Router>
+backward_router_t<Router> backward_router(const Router& r) {
+  struct known_fields {  // the members of router<G, top_k, K> this function copies
+    typename Router::gating_type gating;
+    selection::top_k selection;
+    int top_k;
+    bool normalize;
+    float scaling_factor;
+  };
+  static_assert(sizeof(backward_router_t<Router>) == sizeof(known_fields),
+                "moe_route::router changed: update cuda::detail::backward_router");
+  backward_router_t<Router> b;
+  b.gating = r.gating;
+  b.top_k = r.top_k;
+  b.normalize = r.normalize;
+  b.scaling_factor = r.scaling_factor;
+  return b;
+}
+
 // Row-softmax gatings keep the row in registers; the others read only the
-// selected logits, so one kernel serves every E.
+// selected logits, so one kernel serves every E. `r` is a backward_router.
 template <class Router, class T>
 void dispatch_backward(const Router& r, const backward_params<T>& p, cudaStream_t stream) {
   if constexpr (Router::gating_type::shape == gating::kind::row_softmax) {

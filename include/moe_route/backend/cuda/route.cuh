@@ -97,7 +97,7 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
   using S = detail::storage_t<T>;
   detail::backward_params<S> p{detail::storage_pointer(in.logits), in.num_tokens, in.num_experts,
                                args.indices, args.grad_gates, args.grad_logits};
-  detail::dispatch_backward(r, p, stream);
+  detail::dispatch_backward(detail::backward_router(r), p, stream);
 }
 
 // selection::expert_bias::update on the device: bias[e] += u * sign(mean - loads[e])
