@@ -5,3 +5,6 @@
 
 #include "moe_route.hpp"
 #include "backend/cuda/route.cuh"
+#include "backend/cuda/admission.cuh"
+#include "backend/cuda/expert_choice.cuh"
+#include "backend/cuda/dispatch_metadata.cuh"
