@@ -368,7 +368,7 @@ bool route_row(const Router& r, const T* z, int num_experts, std::int64_t token,
   const float* v = row.v;
 
   int chosen[Router::max_k];
-  float selected[Router::max_k];
+  float selected[Router::max_k] = {};  // zeroed: silences a GCC -Wmaybe-uninitialized false positive
   if constexpr (S::shape == selection::kind::fixed) {
     for (int j = 0; j < k; ++j) chosen[j] = S::expert(token, j, k, num_experts);
     for (int j = 0; j < k; ++j) selected[j] = row.score(chosen[j]);
@@ -432,7 +432,7 @@ void backward_row(const Router& r, const T* z, int num_experts, const std::int32
                   row_scratch& scratch, float* dz) {
   using G = typename Router::gating_type;
   const int k = r.top_k;
-  float selected[Router::max_k];
+  float selected[Router::max_k] = {};  // zeroed: silences a GCC -Wmaybe-uninitialized false positive
   float dsel[Router::max_k];
 
   if constexpr (G::shape == gating::kind::row_softmax) {
