@@ -135,20 +135,20 @@ TEST_CASE("expert_bias::update: non-integral mean, custom rate, existing bias, 6
     std::vector<float> b = {1.0f, -1.0f, 0.5f};
     const std::vector<std::int64_t> loads = {1, 2, 2};  // mean 5/3
     eb.update(b.data(), loads.data(), 3);
-    CHECK(b == std::vector<float>{1.25f, -1.25f, 0.25f});
+    MOE_CHECK_VEC(b, (std::vector<float>{1.25f, -1.25f, 0.25f}));
   }
   {
     std::vector<float> b(5, 0.0f);
     const std::vector<float> loads = {0.5f, 1.5f, 1.0f, 1.0f, 1.0f};  // mean 1.0
     eb.update(b.data(), loads.data(), 5);
-    CHECK(b == std::vector<float>{0.25f, -0.25f, 0.0f, 0.0f, 0.0f});
+    MOE_CHECK_VEC(b, (std::vector<float>{0.25f, -0.25f, 0.0f, 0.0f, 0.0f}));
   }
   {
     // all loads equal: nothing moves
     std::vector<float> b(7, 0.125f);
     const std::vector<double> loads(7, 3.0);
     eb.update(b.data(), loads.data(), 7);
-    CHECK(b == std::vector<float>(7, 0.125f));
+    MOE_CHECK_VEC(b, (std::vector<float>(7, 0.125f)));
   }
   {
     // one expert takes everything: it loses, all others gain

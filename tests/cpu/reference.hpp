@@ -121,6 +121,14 @@ std::string type_name() {
   else return "float16";
 }
 
+// Readable vectors in failure messages.
+template <class T>
+std::string show(const std::vector<T>& v) {
+  std::string s = "{";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "}";
+}
+
 // ---------------------------------------------------------------------------
 // Elementwise math (POLICIES.md section 1 plus the documented choices).
 
@@ -690,3 +698,12 @@ template <class G>
 inline constexpr bool scores_before_selection = !std::is_same_v<G, mr::gating::softmax_after_topk>;
 
 }  // namespace ref
+
+// CHECK(a == b) for vectors, printing both on failure.
+#define MOE_CHECK_VEC(a, b)                                                                   \
+  do {                                                                                        \
+    const auto moe_check_a_ = (a);                                                            \
+    const auto moe_check_b_ = (b);                                                            \
+    CHECK_MESSAGE(moe_check_a_ == moe_check_b_,                                               \
+                  "actual " << ref::show(moe_check_a_) << ", expected " << ref::show(moe_check_b_)); \
+  } while (0)

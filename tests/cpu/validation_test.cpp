@@ -237,7 +237,7 @@ TEST_CASE("validation: backward with an index out of range writes nothing") {
       a.grad_logits = dz.data();
       for (int threads : {1, 2})
         expect_error([&] { mr::cpu::backward(r, in, a, mr::cpu::execution{threads}); }, "indices");
-      CHECK(dz == std::vector<float>(N * E, gate_sentinel));
+      MOE_CHECK_VEC(dz, (std::vector<float>(N * E, gate_sentinel)));
     }
   }
 }
@@ -249,5 +249,5 @@ TEST_CASE("validation: expert_bias::update rejects bad arguments") {
   expect_error([&] { eb.update(b.data(), loads.data(), 0); }, "num_experts");
   expect_error([&] { eb.update(static_cast<float*>(nullptr), loads.data(), 4); }, "bias");
   expect_error([&] { eb.update(b.data(), static_cast<const int*>(nullptr), 4); }, "loads");
-  CHECK(b == std::vector<float>(4, 0.0f));
+  MOE_CHECK_VEC(b, (std::vector<float>(4, 0.0f)));
 }
