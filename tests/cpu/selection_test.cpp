@@ -489,3 +489,36 @@ TEST_CASE("group_limited with NaN and infinities against the reference") {
   r.selection.per_group_k = 2;
   ref::route_and_check(r, z, N, E);
 }
+
+TEST_CASE("dense ties: rows drawn from five values, every keyed selection, K up to 32") {
+  // Many equal keys around the K-th largest: the tie order (lower expert
+  // index first) must survive any candidate pruning in the backend.
+  ref::rng g(77);
+  for (int E : {32, 64, 100, 256, 1000, 4096})
+    for (int K : {1, 5, 8, 16, 17, 32}) {
+      CAPTURE(E);
+      CAPTURE(K);
+      const std::int64_t N = E >= 1000 ? 8 : 40;
+      std::vector<float> z(N * E);
+      for (auto& x : z) x = static_cast<float>(g.integer(-2, 2));
+      // a few rows with almost every entry equal, a few with NaN
+      for (std::int64_t t = 0; t < N; t += 7)
+        for (int e = 0; e < E; ++e) z[t * E + e] = e % 97 == 3 ? 1.0f : 0.0f;
+      for (std::int64_t t = 3; t < N; t += 11)
+        for (int e = 0; e < E; e += 2) z[t * E + e] = fnan();
+      const std::vector<float> zero_bias(E, 0.0f);
+      router<mr::gating::sigmoid, sel::top_k> a;
+      a.top_k = K;
+      ref::route_and_check(a, z, N, E);
+      router<mr::gating::softmax, sel::expert_bias> b;
+      b.top_k = K;
+      ref::route_and_check(b, z, N, E, zero_bias.data(), E >= 1000 ? 1e-5 : 2e-6);
+      if (E % 4 == 0) {
+        router<mr::gating::sigmoid, sel::group_limited<sel::top_k>> c;
+        c.top_k = K;
+        c.selection.groups = 4;
+        c.selection.top_groups = 3;
+        if (3 * (E / 4) >= K) ref::route_and_check(c, z, N, E);
+      }
+    }
+}
