@@ -58,6 +58,33 @@ install(FILES ${PROJECT_BINARY_DIR}/moe_route_analysis-config.cmake
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/moe_route_analysis)
 
 # ---------------------------------------------------------------------------
+# The moe-route CLI.
+set(moe_route_cli_target "")
+if(MOE_ROUTE_BUILD_TOOLS)
+  find_package(CLI11 CONFIG QUIET)
+  find_package(nlohmann_json CONFIG QUIET)
+  find_package(xtensor CONFIG QUIET)
+  if(TARGET CLI11::CLI11 AND TARGET nlohmann_json::nlohmann_json AND TARGET xtensor)
+    add_executable(moe_route_cli
+      tools/moe-route/main.cpp
+      tools/moe-route/npy.cpp
+      tools/moe-route/route.cpp
+      tools/moe-route/analyze.cpp
+      tools/moe-route/plot.cpp
+      tools/moe-route/prior.cpp
+      tools/moe-route/capacity.cpp)
+    set_target_properties(moe_route_cli PROPERTIES OUTPUT_NAME moe-route)
+    target_link_libraries(moe_route_cli PRIVATE moe_route::analysis moe_route_project_flags CLI11::CLI11
+                          nlohmann_json::nlohmann_json xtensor)
+    install(TARGETS moe_route_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+    set(moe_route_cli_target moe_route_cli)
+  else()
+    message(STATUS "moe_route: CLI11, nlohmann_json or xtensor not found (libcli11-dev, nlohmann-json3-dev, "
+                   "libxtensor-dev); no moe-route")
+  endif()
+endif()
+
+# ---------------------------------------------------------------------------
 # Tests.
 if(MOE_ROUTE_BUILD_TESTS)
   find_package(doctest REQUIRED)
@@ -68,4 +95,14 @@ if(MOE_ROUTE_BUILD_TESTS)
   target_link_libraries(moe_route_analysis_tests PRIVATE moe_route::analysis moe_route_project_flags doctest::doctest)
   add_test(NAME analysis_tests COMMAND moe_route_analysis_tests)
 
+  if(moe_route_cli_target)
+    # Fixtures (.npy files written by an independent minimal writer), then the
+    # CLI round trips and error paths, each checking its exit code.
+    add_executable(moe_route_cli_fixtures ${moe_route_analysis_tests_dir}/cli/make_fixtures.cpp)
+    target_link_libraries(moe_route_cli_fixtures PRIVATE moe_route_project_flags)
+    set(moe_route_cli_dir ${CMAKE_CURRENT_BINARY_DIR}/cli_tests)
+    add_test(NAME cli_fixtures COMMAND moe_route_cli_fixtures ${moe_route_cli_dir})
+    set_tests_properties(cli_fixtures PROPERTIES FIXTURES_SETUP moe_route_cli)
+    include(${moe_route_analysis_tests_dir}/cli/cli_tests.cmake)
+  endif()
 endif()

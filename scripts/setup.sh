@@ -3,7 +3,7 @@
 # Debian 12 packages. Idempotent: packages already present are left alone.
 set -euo pipefail
 
-packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libtorch-dev)
+packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libtorch-dev pkgconf libigraph-dev libcli11-dev nlohmann-json3-dev libxtensor-dev gnuplot-nox)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
