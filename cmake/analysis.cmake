@@ -95,6 +95,15 @@ if(MOE_ROUTE_BUILD_TESTS)
   target_link_libraries(moe_route_analysis_tests PRIVATE moe_route::analysis moe_route_project_flags doctest::doctest)
   add_test(NAME analysis_tests COMMAND moe_route_analysis_tests)
 
+  # GPU parity of the co-activation kernel: one CUDA TU, skipped without a device.
+  if(MOE_ROUTE_HAS_CUDA)
+    add_executable(moe_route_coactivation_gpu_test ${PROJECT_SOURCE_DIR}/tests/cuda/coactivation_parity.cu)
+    target_link_libraries(moe_route_coactivation_gpu_test PRIVATE moe_route::cuda moe_route_project_flags
+                          doctest::doctest CUDA::cudart)
+    target_compile_options(moe_route_coactivation_gpu_test PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--threads=0>)
+    add_test(NAME coactivation_gpu_test COMMAND moe_route_coactivation_gpu_test)
+  endif()
+
   if(moe_route_cli_target)
     # Fixtures (.npy files written by an independent minimal writer), then the
     # CLI round trips and error paths, each checking its exit code.
