@@ -83,9 +83,9 @@ void write_plots(const std::string& dir, const an::retention_result& r, const st
       const fs::path script = work / (tag + std::to_string(which) + ".gp");
       std::ofstream s(script);
       s << "set terminal " << term << "\nset output '" << png << "'\n"
-        << "set title \"co-activation W (" << (which ? "post" : "base") << "), layer " << l
-        << ": experts ordered by base communities (boxes), Q_base = " << layer.q_base << ", Q_post = " << layer.q_post
-        << ", NMI = " << layer.nmi << "\" noenhanced\n"
+        << "set title sprintf(\"co-activation W (" << (which ? "post" : "base") << "), layer " << l
+        << ", experts in base-community order (boxes)\\nQ_base = %.4f, Q_post = %.4f, NMI = %.4f\", "
+        << layer.q_base << ", " << layer.q_post << ", " << layer.nmi << ") noenhanced\n"
         << "set xlabel 'expert (base community order)'\nset ylabel 'expert (base community order)'\n"
         << "set xrange [-0.5:" << e_count - 0.5 << "]\nset yrange [" << e_count - 0.5 << ":-0.5]\n"
         << "set size ratio -1\nset palette defined (0 'black', 1 'dark-blue', 2 'orange', 3 'yellow')\n"
