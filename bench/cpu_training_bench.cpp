@@ -1,0 +1,493 @@
+// moe_route CPU benchmark of the training policies (issue 3, docs/performance.md).
+//
+// One forward + backward step, cpu::route then cpu::backward with a training
+// workspace, for N = 16384 fp32 tokens, of the routers
+//   plain, rpb (prior::log_prior_bias, beta 1), each penalty alone
+//   (load_balance scope::batch 1e-3, z_loss 1e-3, kl_to_base 1e-2, logit_l2 1e-2,
+//   locality 1e-2) and all combined (rpb + the five penalties),
+// on top of the bases of cpu_router_bench.cpp:
+//   softmax_topk/E64_K6   DeepSeek-V2-Lite (softmax top-6 of 64, no normalisation)
+//   sigmoid_bias/E64_K6   Moonlight (sigmoid + expert bias top-6 of 64, normalised, x2.446)
+//   sigmoid_bias/E256_K8  Moonlight's router at DeepSeek-V3's shape (top-8 of 256)
+// at 1 and 2 threads, against the same math composed from LibTorch operators
+// in this process (torch_reference.cpp, torch_training: forward with autograd
+// recording + torch::autograd::grad of sum(c * gates) + sum of the penalty
+// values, every iteration). Also each policy with a coefficient (beta) of 0,
+// against the plain router: the cost of a switched-off policy.
+//
+// Each library run gets counters computed in this process from Google
+// Benchmark's own timings: lib/torch (library time / LibTorch time of the
+// same router; < 1: the library is faster) and /plain (this router's time /
+// the plain router's; the overhead of the policy in the fused pass). 1-thread
+// runs use the calling thread's CPU time, 2-thread runs wall-clock time; the
+// peer's fastest repetition so far. A table of the fastest repetitions is
+// printed at the end.
+//
+// Before timing it checks, for every router: 1- and 2-thread library results
+// bit-identical; LibTorch's indices equal to the library's (softmax: exactly;
+// sigmoid + bias: near-ties may flip, reported); gates, dL/dz (rows with equal
+// indices) and penalty values within tolerance; a coefficient of 0 gives the
+// plain router's bits and value 0. It aborts if a check fails.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <moe_route/moe_route.hpp>
+
+#ifndef MOE_ROUTE_BENCH_WITH_TORCH
+#define MOE_ROUTE_BENCH_WITH_TORCH 0
+#endif
+#if MOE_ROUTE_BENCH_WITH_TORCH
+#include "torch_reference.hpp"
+#endif
+
+namespace {
+
+namespace mr = moe_route;
+
+constexpr std::int64_t num_tokens = 16384;
+constexpr std::int64_t prior_rows = 512;   // S: rows of the prior table
+constexpr int ep_ranks = 8;                // locality: experts spread over 8 ranks, this call is rank 0
+constexpr std::uint32_t seed = 20261201;
+
+// The policies' parameters (the defaults of docs/training.md and RPB).
+constexpr float beta = 1.0f, alpha = 1e-3f, z_coef = 1e-3f, kl_coef = 1e-2f, l2_coef = 1e-2f, loc_coef = 1e-2f,
+                loc_eps = 1e-3f;
+
+enum class variant { plain, rpb, load_balance, z_loss, kl_to_base, logit_l2, locality, all };
+constexpr variant variants[] = {variant::plain,    variant::rpb,      variant::load_balance, variant::z_loss,
+                                variant::kl_to_base, variant::logit_l2, variant::locality,     variant::all};
+
+const char* variant_name(variant v) {
+  switch (v) {
+    case variant::plain: return "plain";
+    case variant::rpb: return "rpb";
+    case variant::load_balance: return "load_balance";
+    case variant::z_loss: return "z_loss";
+    case variant::kl_to_base: return "kl_to_base";
+    case variant::logit_l2: return "logit_l2";
+    case variant::locality: return "locality";
+    case variant::all: return "all";
+  }
+  return "?";
+}
+
+// Calls fn(router) with the base router plus the variant's policies; zero sets
+// every coefficient (and beta) to 0.
+template <class Base, class F>
+void with_variant(const Base& base, variant v, bool zero, F&& fn) {
+  const float z0 = zero ? 0.0f : 1.0f;
+  const mr::prior::log_prior_bias rpb{beta * z0};
+  const mr::penalty::load_balance lb{alpha * z0};
+  const mr::penalty::z_loss zl{z_coef * z0};
+  const mr::penalty::kl_to_base kl{kl_coef * z0};
+  const mr::penalty::logit_l2 l2{l2_coef * z0};
+  const mr::penalty::locality loc{loc_coef * z0, loc_eps};
+  switch (v) {
+    case variant::plain: fn(mr::with_policies(base)); return;
+    case variant::rpb: fn(mr::with_policies(base, rpb)); return;
+    case variant::load_balance: fn(mr::with_policies(base, lb)); return;
+    case variant::z_loss: fn(mr::with_policies(base, zl)); return;
+    case variant::kl_to_base: fn(mr::with_policies(base, kl)); return;
+    case variant::logit_l2: fn(mr::with_policies(base, l2)); return;
+    case variant::locality: fn(mr::with_policies(base, loc)); return;
+    case variant::all: fn(mr::with_policies(base, rpb, lb, zl, kl, l2, loc)); return;
+  }
+}
+
+// Inputs of one shape, generated once with a fixed seed.
+struct shape {
+  bool sigmoid = false;  // false: deepseek_v2_lite; true: moonlight
+  int experts = 0;
+  int top_k = 0;
+  std::vector<float> logits;       // N x E, normal(0, 1)
+  std::vector<float> bias;         // E, uniform(-0.05, 0.05) (expert bias)
+  std::vector<float> grad_gates;   // N x K, normal(0, 1)
+  std::vector<float> prior_bias;   // S x E, prior::prepare of a random prior
+  std::vector<float> prior_probs;  // S x E
+  std::vector<std::int32_t> rows;  // N, r(t) in [0, S); 1 token in 8 has none (-1)
+  std::vector<std::int32_t> expert_rank;  // E
+
+  shape(bool sig, int e, int k) : sigmoid(sig), experts(e), top_k(k) {
+    std::mt19937 gen(seed + static_cast<std::uint32_t>(e * 100 + k + (sig ? 7 : 0)));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_real_distribution<float> uniform(-0.05f, 0.05f);
+    logits.resize(static_cast<std::size_t>(num_tokens) * e);
+    for (float& x : logits) x = normal(gen);
+    bias.resize(e);
+    for (float& x : bias) x = uniform(gen);
+    grad_gates.resize(static_cast<std::size_t>(num_tokens) * k);
+    for (float& x : grad_gates) x = normal(gen);
+    // A peaked prior: pi ~ exp(2 * normal), normalised per row.
+    std::vector<float> pi(static_cast<std::size_t>(prior_rows) * e);
+    for (std::int64_t r = 0; r < prior_rows; ++r) {
+      double sum = 0.0;
+      for (int x = 0; x < e; ++x) sum += pi[r * e + x] = std::exp(2.0f * normal(gen));
+      for (int x = 0; x < e; ++x) pi[r * e + x] = static_cast<float>(pi[r * e + x] / sum);
+    }
+    prior_bias.resize(pi.size());
+    prior_probs.resize(pi.size());
+    mr::prior::prepare(pi.data(), prior_rows, e, prior_bias.data(), prior_probs.data());
+    std::uniform_int_distribution<std::int32_t> row(0, static_cast<std::int32_t>(prior_rows) - 1), eighth(0, 7);
+    rows.resize(num_tokens);
+    for (std::int32_t& r : rows) r = eighth(gen) == 0 ? -1 : row(gen);
+    expert_rank.resize(e);
+    for (int x = 0; x < e; ++x) expert_rank[x] = x / (e / ep_ranks);
+  }
+
+  std::string label() const {
+    return std::string(sigmoid ? "sigmoid_bias" : "softmax_topk") + "/E" + std::to_string(experts) + "_K" +
+           std::to_string(top_k);
+  }
+
+  mr::route_inputs<float> inputs() const {
+    mr::route_inputs<float> in;
+    in.logits = logits.data();
+    in.num_tokens = num_tokens;
+    in.num_experts = experts;
+    in.expert_bias = sigmoid ? bias.data() : nullptr;
+    in.prior_bias = prior_bias.data();
+    in.prior_probs = prior_probs.data();
+    in.prior_rows = prior_rows;
+    in.token_prior_row = rows.data();
+    in.expert_rank = expert_rank.data();
+    in.rank = 0;
+    return in;
+  }
+
+  // fn(router) with this shape's base router and the variant's policies.
+  template <class F>
+  void with_router(variant v, bool zero, F&& fn) const {
+    if (sigmoid) {
+      auto r = mr::presets::moonlight();  // normalise, scale 2.446
+      r.top_k = top_k;
+      with_variant(r, v, zero, fn);
+    } else {
+      auto r = mr::presets::deepseek_v2_lite();  // no normalisation, scale 1
+      r.top_k = top_k;
+      with_variant(r, v, zero, fn);
+    }
+  }
+};
+
+// ---------------------------------------------------------------- library
+
+struct step_buffers {
+  std::vector<std::int32_t> indices;
+  std::vector<float> gates, grad_logits;
+  std::vector<double> values = std::vector<double>(8, 0.0);
+  std::vector<unsigned char> workspace;
+  int num_penalties = 0;
+  step_buffers(const shape& s, variant v, bool zero)
+      : indices(static_cast<std::size_t>(num_tokens) * s.top_k),
+        gates(static_cast<std::size_t>(num_tokens) * s.top_k),
+        grad_logits(static_cast<std::size_t>(num_tokens) * s.experts) {
+    s.with_router(v, zero, [&](const auto& r) {
+      using R = std::decay_t<decltype(r)>;
+      workspace.resize(std::max<std::size_t>(1, mr::penalty::training_workspace_bytes(r, num_tokens, s.experts)));
+      num_penalties = R::num_penalties;
+    });
+  }
+};
+
+// One training step: forward (values, workspace) then the fused backward.
+void library_step(const shape& s, variant v, bool zero, step_buffers& b, int threads) {
+  s.with_router(v, zero, [&](const auto& r) {
+    const mr::route_inputs<float> in = s.inputs();
+    mr::route_outputs out;
+    out.indices = b.indices.data();
+    out.gates = b.gates.data();
+    out.penalty_values = b.values.data();
+    out.workspace = b.workspace.data();
+    out.workspace_bytes = b.workspace.size();
+    mr::cpu::route(r, in, out, mr::cpu::execution{threads});
+    mr::backward_args args;
+    args.indices = b.indices.data();
+    args.grad_gates = s.grad_gates.data();
+    args.grad_logits = b.grad_logits.data();
+    args.workspace = b.workspace.data();
+    args.workspace_bytes = b.workspace.size();
+    mr::cpu::backward(r, in, args, mr::cpu::execution{threads});
+  });
+}
+
+// ---------------------------------------------------------------- LibTorch
+
+#if MOE_ROUTE_BENCH_WITH_TORCH
+moe_route_bench::torch_training& torch_for(const shape& s, variant v) {
+  static std::map<std::string, std::unique_ptr<moe_route_bench::torch_training>> cache;
+  auto& slot = cache[s.label() + "/" + variant_name(v)];
+  if (!slot) {
+    moe_route_bench::torch_training_spec spec;
+    spec.sigmoid_bias = s.sigmoid;
+    s.with_router(variant::plain, false, [&](const auto& r) {
+      spec.normalize = r.normalize;
+      spec.scaling_factor = r.scaling_factor;
+    });
+    spec.logits = s.logits.data();
+    spec.num_tokens = num_tokens;
+    spec.num_experts = s.experts;
+    spec.top_k = s.top_k;
+    spec.expert_bias = s.bias.data();
+    spec.grad_gates = s.grad_gates.data();
+    spec.prior_bias = s.prior_bias.data();
+    spec.prior_probs = s.prior_probs.data();
+    spec.prior_rows = prior_rows;
+    spec.token_prior_row = s.rows.data();
+    spec.expert_rank = s.expert_rank.data();
+    spec.rank = 0;
+    const bool every = v == variant::all;
+    if (every || v == variant::rpb) spec.beta = beta;
+    if (every || v == variant::load_balance) spec.load_balance = alpha;
+    if (every || v == variant::z_loss) spec.z_loss = z_coef;
+    if (every || v == variant::kl_to_base) spec.kl_to_base = kl_coef;
+    if (every || v == variant::logit_l2) spec.logit_l2 = l2_coef;
+    if (every || v == variant::locality) spec.locality = loc_coef;
+    spec.locality_epsilon = loc_eps;
+    slot = std::make_unique<moe_route_bench::torch_training>(spec);
+  }
+  return *slot;
+}
+#endif
+
+// ---------------------------------------------------------------- checks
+
+[[noreturn]] void die(const std::string& what) {
+  std::fprintf(stderr, "\n*** moe_route_cpu_training_bench: CHECK FAILED: %s\n*** aborting.\n", what.c_str());
+  std::abort();
+}
+
+void check(const shape& s, variant v) {
+  const std::string name = s.label() + "/" + variant_name(v);
+  step_buffers one(s, v, false), two(s, v, false);
+  library_step(s, v, false, one, 1);
+  library_step(s, v, false, two, 2);
+  if (one.indices != two.indices || one.gates != two.gates || one.grad_logits != two.grad_logits ||
+      one.values != two.values)
+    die(name + ": the library's results differ between 1 and 2 threads");
+  if (v != variant::plain) {
+    step_buffers zero(s, v, true), plain(s, variant::plain, false);
+    library_step(s, v, true, zero, 1);
+    library_step(s, variant::plain, false, plain, 1);
+    for (int j = 0; j < zero.num_penalties; ++j)
+      if (zero.values[j] != 0.0) die(name + ": a coefficient of 0 gives a nonzero value");
+    if (zero.indices != plain.indices || zero.gates != plain.gates || zero.grad_logits != plain.grad_logits)
+      die(name + ": a coefficient of 0 does not give the plain router's bits");
+  }
+#if MOE_ROUTE_BENCH_WITH_TORCH
+  const int E = s.experts, k = s.top_k;
+  auto& tr = torch_for(s, v);
+  moe_route_bench::torch_router::set_threads(1);
+  tr.step();
+  std::vector<std::int32_t> idx(one.indices.size());
+  std::vector<float> gates(one.gates.size()), dz(one.grad_logits.size());
+  std::vector<double> values(8, 0.0);
+  const int nv = tr.read(idx.data(), gates.data(), dz.data(), values.data());
+  if (nv != one.num_penalties) die(name + ": LibTorch and the library have different numbers of penalties");
+  std::int64_t rows_differ = 0;
+  float gate_diff = 0.0f, dz_diff = 0.0f, dz_max = 0.0f;
+  for (std::int64_t t = 0; t < num_tokens; ++t) {
+    if (!std::equal(idx.begin() + t * k, idx.begin() + (t + 1) * k, one.indices.begin() + t * k)) {
+      ++rows_differ;
+      continue;
+    }
+    for (int j = 0; j < k; ++j) gate_diff = std::max(gate_diff, std::abs(gates[t * k + j] - one.gates[t * k + j]));
+    for (int e = 0; e < E; ++e) {
+      dz_diff = std::max(dz_diff, std::abs(dz[t * E + e] - one.grad_logits[t * E + e]));
+      dz_max = std::max(dz_max, std::abs(one.grad_logits[t * E + e]));
+    }
+  }
+  double value_rel = 0.0;
+  std::string shown;
+  for (int j = 0; j < nv; ++j) {
+    value_rel = std::max(value_rel, std::abs(values[j] - one.values[j]) / std::max(1e-12, std::abs(one.values[j])));
+    char buf[64];
+    std::snprintf(buf, sizeof buf, " %.6g", one.values[j]);
+    shown += buf;
+  }
+  std::printf("check %-34s libtorch: indices differ in %lld of %lld rows; rows with equal indices: max |gate diff| "
+              "%.3g, max |dz diff| %.3g (max |dz| %.3g); max rel value diff %.3g; values%s\n",
+              name.c_str(), static_cast<long long>(rows_differ), static_cast<long long>(num_tokens),
+              static_cast<double>(gate_diff), static_cast<double>(dz_diff), static_cast<double>(dz_max), value_rel,
+              shown.empty() ? " -" : shown.c_str());
+  // Softmax: random normal logits have no ties, the selection must be torch.topk's.
+  // Sigmoid + bias: one-ulp differences of sigmoid may flip near-tied keys; that
+  // also moves load_balance's f by 1/(N K) per flip, hence the value tolerance.
+  if (!s.sigmoid && rows_differ != 0) die(name + ": indices differ from LibTorch's");
+  if (rows_differ > num_tokens / 1000) die(name + ": indices differ from LibTorch's in too many rows");
+  if (gate_diff > 1e-5f || dz_diff > 1e-4f) die(name + ": gates or dL/dz differ from LibTorch's");
+  if (value_rel > 1e-3) die(name + ": penalty values differ from LibTorch's");
+#endif
+}
+
+// ---------------------------------------------------------------- benchmarks
+
+std::string bench_name(const shape& s, variant v, bool zero, bool torch, int threads) {
+  return "step/" + s.label() + "/" + variant_name(v) + (zero ? "_c0" : "") + (torch ? "/libtorch/t" : "/library/t") +
+         std::to_string(threads);
+}
+
+void register_library(const shape& s, variant v, bool zero, int threads) {
+  auto fn = [&s, v, zero, threads](benchmark::State& state) {
+    step_buffers b(s, v, zero);
+    for (auto _ : state) {
+      library_step(s, v, zero, b, threads);
+      benchmark::ClobberMemory();
+    }
+    state.SetItemsProcessed(state.iterations() * num_tokens);
+  };
+  benchmark::RegisterBenchmark(bench_name(s, v, zero, false, threads).c_str(), fn)
+      ->Unit(benchmark::kMicrosecond)
+      ->UseRealTime();
+}
+
+#if MOE_ROUTE_BENCH_WITH_TORCH
+void register_torch(const shape& s, variant v, int threads) {
+  auto fn = [&s, v, threads](benchmark::State& state) {
+    auto& tr = torch_for(s, v);
+    moe_route_bench::torch_router::set_threads(threads);
+    for (auto _ : state) {
+      tr.step();
+      benchmark::ClobberMemory();
+    }
+    state.SetItemsProcessed(state.iterations() * num_tokens);
+  };
+  benchmark::RegisterBenchmark(bench_name(s, v, false, true, threads).c_str(), fn)
+      ->Unit(benchmark::kMicrosecond)
+      ->UseRealTime();
+}
+#endif
+
+// Per shape and thread count: the LibTorch peers first, then the plain
+// router, then the others, so each library run finds its peers already timed.
+void register_all(const std::vector<const shape*>& shapes) {
+  for (const shape* s : shapes)
+    for (int threads : {1, 2}) {
+#if MOE_ROUTE_BENCH_WITH_TORCH
+      for (variant v : variants) register_torch(*s, v, threads);
+#endif
+      for (variant v : variants) register_library(*s, v, false, threads);
+      if (threads == 1)
+        for (variant v : variants)
+          if (v != variant::plain) register_library(*s, v, true, threads);
+    }
+}
+
+// The name's thread suffix: 1-thread runs are compared by the calling thread's
+// CPU time, others by wall-clock time.
+bool single_thread(const std::string& name) { return name.size() >= 3 && name.compare(name.size() - 3, 3, "/t1") == 0; }
+
+std::string replace(std::string s, const std::string& from, const std::string& to) {
+  const auto at = s.find(from);
+  if (at != std::string::npos) s.replace(at, from.size(), to);
+  return s;
+}
+
+// Keeps the fastest time per iteration of every benchmark and adds the ratio
+// counters to the library runs before printing them.
+class ratio_reporter : public benchmark::ConsoleReporter {
+ public:
+  std::map<std::string, double> best;  // seconds per iteration (CPU for t1, wall otherwise)
+
+  static double time_of(const Run& run) {
+    const std::string& name = run.run_name.function_name;
+    const double total = single_thread(name) ? run.cpu_accumulated_time : run.real_accumulated_time;
+    return total / static_cast<double>(run.iterations);
+  }
+
+  void ReportRuns(const std::vector<Run>& runs) override {
+    std::vector<Run> shown = runs;
+    for (Run& run : shown) {
+      if (run.run_type != Run::RT_Iteration || run.error_occurred || run.iterations == 0) continue;
+      const std::string& name = run.run_name.function_name;
+      const double t = time_of(run);
+      auto [it, inserted] = best.emplace(name, t);
+      if (!inserted) it->second = std::min(it->second, t);
+      if (name.find("/library/") == std::string::npos) continue;
+      std::string torch = replace(name, "/library/", "/libtorch/");
+      const auto peer = best.find(torch);
+      if (peer != best.end()) run.counters["lib/torch"] = benchmark::Counter(t / peer->second);
+      std::string plain = name;
+      const auto slash = plain.rfind("/library/");
+      const auto start = plain.rfind('/', slash - 1);
+      plain.replace(start + 1, slash - start - 1, "plain");
+      const auto base = best.find(plain);
+      if (base != best.end() && plain != name) run.counters["/plain"] = benchmark::Counter(t / base->second);
+    }
+    ConsoleReporter::ReportRuns(shown);
+  }
+};
+
+void print_table(const std::vector<const shape*>& shapes, const ratio_reporter& rep) {
+  const auto get = [&](const std::string& name) -> double {
+    const auto it = rep.best.find(name);
+    return it == rep.best.end() ? -1.0 : it->second;
+  };
+  const auto us = [](double t) -> std::string {
+    if (t < 0) return "-";
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.0f", t * 1e6);
+    return buf;
+  };
+  const auto ratio = [](double a, double b) -> std::string {
+    if (a < 0 || b < 0) return "-";
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.2f", a / b);
+    return buf;
+  };
+  std::printf("\nForward + backward per step, N = %lld, fp32; fastest repetition; 1 thread: calling thread's CPU time, "
+              "2 threads: wall-clock. lib/torch < 1: the library is faster. /plain: time over the plain router's "
+              "(same implementation, same threads).\n\n",
+              static_cast<long long>(num_tokens));
+  std::printf("| router / shape | policies | lib µs 1t | LibTorch µs 1t | lib/torch 1t | lib/torch 2t | lib /plain 1t | "
+              "lib /plain 2t | LibTorch /plain 1t | coef 0: lib µs 1t | coef 0 /plain 1t |\n");
+  std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (const shape* s : shapes)
+    for (variant v : variants) {
+      const double l1 = get(bench_name(*s, v, false, false, 1)), l2 = get(bench_name(*s, v, false, false, 2));
+      const double t1 = get(bench_name(*s, v, false, true, 1)), t2 = get(bench_name(*s, v, false, true, 2));
+      const double p1 = get(bench_name(*s, variant::plain, false, false, 1));
+      const double p2 = get(bench_name(*s, variant::plain, false, false, 2));
+      const double tp1 = get(bench_name(*s, variant::plain, false, true, 1));
+      const double z1 = v == variant::plain ? -1.0 : get(bench_name(*s, v, true, false, 1));
+      std::printf("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", s->label().c_str(), variant_name(v),
+                  us(l1).c_str(), us(t1).c_str(), ratio(l1, t1).c_str(), ratio(l2, t2).c_str(), ratio(l1, p1).c_str(),
+                  ratio(l2, p2).c_str(), ratio(t1, tp1).c_str(), us(z1).c_str(), ratio(z1, p1).c_str());
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+
+  const shape softmax64(false, 64, 6), sigmoid64(true, 64, 6), sigmoid256(true, 256, 8);
+  const std::vector<const shape*> shapes = {&softmax64, &sigmoid64, &sigmoid256};
+
+#if MOE_ROUTE_BENCH_WITH_TORCH
+  std::printf("LibTorch %s; ", moe_route_bench::torch_router::version().c_str());
+#else
+  std::printf("LibTorch comparison not built (find_package(Torch) failed at configure time); ");
+#endif
+  std::printf("N = %lld tokens, fp32 logits ~ normal(0, 1), prior table %lld rows (1 token in 8 without one), seed %u\n",
+              static_cast<long long>(num_tokens), static_cast<long long>(prior_rows), seed);
+  for (const shape* s : shapes)
+    for (variant v : variants) check(*s, v);
+
+  register_all(shapes);
+  ratio_reporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  print_table(shapes, reporter);
+  benchmark::Shutdown();
+  return 0;
+}
