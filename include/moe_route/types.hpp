@@ -90,6 +90,23 @@ struct route_inputs {
   std::int64_t num_tokens = 0;          // N >= 0
   int num_experts = 0;                  // E in [1, max_experts]
   const float* expert_bias = nullptr;   // [E], selection::expert_bias only
+
+  // Training policies (router<..., Policies...>). mode::eval turns every prior
+  // policy and penalty off, so the same inputs can be probed bias-free.
+  moe_route::mode mode = moe_route::mode::train;
+  // The prepared prior table (prior::prepare) and each token's row in it.
+  const float* prior_bias = nullptr;             // [prior_rows x E] centred log prior b
+  const float* prior_probs = nullptr;            // [prior_rows x E] clamped prior pi (kl_to_base)
+  std::int64_t prior_rows = 0;                   // S
+  const std::int32_t* token_prior_row = nullptr; // [N] r(t) in [0, S), or -1: no prior
+  // load_balance: scope::sequence needs each token's sequence; scope::global_batch
+  // needs the caller's f (penalty::load_fractions).
+  const std::int32_t* sequence_ids = nullptr;    // [N] in [0, num_sequences)
+  std::int32_t num_sequences = 0;
+  const float* load_fractions = nullptr;         // [E] f_e, summing to 1
+  // locality: the expert-parallel rank that hosts each expert, and this call's rank.
+  const std::int32_t* expert_rank = nullptr;     // [E]
+  std::int32_t rank = 0;
 };
 
 // Outputs of the forward pass, written for every token.
@@ -99,6 +116,14 @@ struct route_outputs {
   // Optional: number of rows that contained NaN or +-inf logits. On the CUDA
   // backend a device counter that the call adds to (zero it first).
   std::int64_t* nonfinite_rows = nullptr;
+
+  // Routers with penalties: their values, in the order of the router's policy
+  // list (penalty_slot<P, Router>), and the training workspace the forward
+  // fills and the backward reads (training_workspace_bytes; same memory space
+  // as the other pointers). Both are required when the router has penalties.
+  double* penalty_values = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
 };
 
 // What the CPU backend returns about a call.
@@ -112,6 +137,14 @@ struct backward_args {
   const std::int32_t* indices = nullptr;  // [N x K], as written by the forward
   const float* grad_gates = nullptr;      // [N x K] dL/dgates
   float* grad_logits = nullptr;           // [N x E] dL/dz, overwritten
+
+  // Routers with penalties: the workspace the forward filled, and the upstream
+  // gradient of each penalty value (host memory, router's penalty order;
+  // null means 1 for every penalty).
+  // The backward also writes its shared dL/dp into the workspace.
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+  const float* penalty_grads = nullptr;
 };
 
 }  // namespace moe_route

@@ -15,6 +15,10 @@ struct sigmoid {
   MOE_ROUTE_HD static float score(float v) { return detail::sigmoid(v); }
   // ds/dz at a logit whose score is s.
   MOE_ROUTE_HD static float derivative(float /*v*/, float s) { return s * (1.0f - s); }
+  // log s and d(log s)/dz, for the distribution-space penalties:
+  // log sigmoid(z) = -softplus(-z), d/dz = sigmoid(-z).
+  MOE_ROUTE_HD static float log_score(float v) { return -detail::softplus(-v); }
+  MOE_ROUTE_HD static float log_derivative(float v) { return detail::sigmoid(-v); }
 };
 
 template <>

@@ -18,6 +18,13 @@ struct sqrt_softplus {
   MOE_ROUTE_HD static float derivative(float v, float s) {
     return s > 0.0f ? detail::div(detail::sigmoid(v), s + s) : 0.0f;
   }
+  // log s = log(softplus(z)) / 2 and d(log s)/dz = sigmoid(z) / (2 softplus(z)).
+  // Below z = -16, softplus(z) = e^z to within float rounding, so the limits
+  // z / 2 and 1/2 are used (they stay finite where softplus underflows).
+  MOE_ROUTE_HD static float log_score(float v) { return v < -16.0f ? 0.5f * v : 0.5f * detail::log(detail::softplus(v)); }
+  MOE_ROUTE_HD static float log_derivative(float v) {
+    return v < -16.0f ? 0.5f : detail::div(detail::sigmoid(v), 2.0f * detail::softplus(v));
+  }
 };
 
 template <>

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "../../router.hpp"
 #include "../../types.hpp"
 #include "../../validate.hpp"
+#include "training.hpp"
 
 // GCC 12 warns (-W[maybe-]uninitialized) inside its own AVX-512 intrinsics
 // when they are inlined (GCC bug 105593: the intrinsics' placeholder
@@ -51,6 +53,8 @@ struct row_scratch {
   std::uint32_t order[max_experts];   // order-preserving images of the keys
   std::uint64_t candidates[max_experts];           // packed keys that can be among the top K
   std::int32_t candidate_experts[max_experts + 16];  // their experts (+16: vector stores)
+  float biased[max_experts];          // z + beta b of a token under log_prior_bias
+  penalty_scratch penalties;          // the penalties' row buffers
 };
 
 // Sum of x[0..n) in the canonical order a CUDA warp uses (see numerics.hpp).
@@ -427,6 +431,45 @@ bool route_row(const Router& r, const T* z, int num_experts, std::int64_t token,
   return row.nonfinite;
 }
 
+// Gate weights of the experts in indices[0..K) from the unbiased logits z (the
+// prior policies' gates); returns whether the row held NaN or +-inf.
+template <class Router, class T>
+bool gates_at(const Router& r, const T* z, int num_experts, const std::int32_t* indices, row_scratch& scratch,
+              float* gates) {
+  row_state<Router, T> row(scratch, z, num_experts);
+  float selected[Router::max_k] = {};
+  for (int j = 0; j < r.top_k; ++j) selected[j] = row.score(indices[j]);
+  moe_route::detail::gate_weights(r, selected, gates, r.top_k);
+  return row.nonfinite;
+}
+
+// One token of the forward, with the router's prior policy where it acts.
+template <class Router, class T>
+bool route_token(const Router& r, const route_inputs<T>& in, std::int64_t t, row_scratch& scratch,
+                 std::int32_t* indices, float* gates) {
+  const int num_experts = in.num_experts;
+  const T* z = in.logits + t * num_experts;
+  if constexpr (Router::has_prior) {
+    if (prior_active(r, in, t)) {
+      const float* b = in.prior_bias + std::int64_t{in.token_prior_row[t]} * num_experts;
+      if constexpr (Router::template has<prior::log_prior_bias>) {
+        const auto& policy = get<prior::log_prior_bias>(r);
+        const bool nonfinite = biased_row(z, b, policy.beta, num_experts, scratch.biased);
+        route_row(r, scratch.biased, num_experts, t, in.expert_bias, scratch, indices, gates);
+        if (!policy.bias_gates) gates_at(r, z, num_experts, indices, scratch, gates);
+        return nonfinite;
+      } else {  // prior_override: the K largest prior biases, ties to the lower expert
+        for (int e = 0; e < num_experts; ++e) scratch.order[e] = ordered_key(b[e]);
+        std::uint64_t best[Router::max_k];
+        select_top(scratch.order, nullptr, num_experts, r.top_k, best, scratch);
+        for (int j = 0; j < r.top_k; ++j) indices[j] = moe_route::detail::packed_expert(best[j]);
+        return gates_at(r, z, num_experts, indices, scratch, gates);
+      }
+    }
+  }
+  return route_row(r, z, num_experts, t, in.expert_bias, scratch, indices, gates);
+}
+
 template <class Router, class T>
 void backward_row(const Router& r, const T* z, int num_experts, const std::int32_t* indices, const float* dw,
                   row_scratch& scratch, float* dz) {
@@ -497,23 +540,46 @@ void for_token_blocks(std::int64_t num_tokens, const execution& ex, Body body) {
 
 }  // namespace detail
 
-// Forward: indices and gate weights of every token (POLICIES.md sections 1-2).
+// Forward: indices and gate weights of every token (POLICIES.md sections 1-3),
+// and with penalties their values and the training workspace (section 5).
 // Throws moe_route::error, writing nothing, if an argument is invalid.
 template <class Router, class T>
 route_report route(const Router& r, const route_inputs<T>& in, const route_outputs& out, execution ex = {}) {
   static_assert(is_router<Router>, "cpu::route: the first argument must be a moe_route::router");
   moe_route::detail::validate_route(r, in, out);
+  moe_route::detail::validate_training_values(r, in);
   const int num_experts = in.num_experts;
   const int k = r.top_k;
-  std::vector<std::int64_t> nonfinite(ex.threads > 0 ? ex.threads : std::max(1u, std::thread::hardware_concurrency()), 0);
+  const std::size_t workers = ex.threads > 0 ? ex.threads : std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::int64_t> nonfinite(workers, 0);
+
+  const penalty::switches on = penalty::active(r, in);
+  const bool penalties = Router::has_penalties && on.any() && in.num_tokens > 0;
+  const auto layout = penalty::training_layout<Router>(in.num_tokens, num_experts, in.num_sequences);
+  std::vector<detail::penalty_partials> partials(penalties ? workers : 0);
+  if constexpr (Router::has_penalties)
+    for (auto& part : partials) detail::prepare_partials(r, in, part);
+  std::optional<detail::workspace_view> ws;
+  if (penalties) ws.emplace(out.workspace, layout);
+
   detail::for_token_blocks(in.num_tokens, ex, [&](std::int64_t begin, std::int64_t end, int worker,
                                                    detail::row_scratch& scratch) {
     std::int64_t bad = 0;
-    for (std::int64_t t = begin; t < end; ++t)
-      bad += detail::route_row(r, in.logits + t * num_experts, num_experts, t, in.expert_bias, scratch,
-                               out.indices + t * k, out.gates + t * k);
+    for (std::int64_t t = begin; t < end; ++t) {
+      bad += detail::route_token(r, in, t, scratch, out.indices + t * k, out.gates + t * k);
+      if constexpr (Router::has_penalties)
+        if (penalties) detail::penalty_forward_row(r, in, on, out.indices, t, scratch.penalties, partials[worker], *ws);
+    }
     nonfinite[worker] = bad;
   });
+  if constexpr (Router::has_penalties) {
+    for (int j = 0; j < Router::num_penalties; ++j) out.penalty_values[j] = 0.0;
+    if (penalties) {
+      detail::reduce_partials(partials, *ws, layout, num_experts, in.num_sequences);
+      detail::chunk_totals<Router>(*ws, in.num_tokens);
+      penalty::values(r, detail::state_of(r, in, *ws), out.penalty_values);
+    }
+  }
   route_report report;
   for (std::int64_t n : nonfinite) report.nonfinite_rows += n;
   if (out.nonfinite_rows != nullptr) *out.nonfinite_rows += report.nonfinite_rows;
@@ -521,11 +587,13 @@ route_report route(const Router& r, const route_inputs<T>& in, const route_outpu
 }
 
 // Fused backward: dL/dz [N x E] from dL/dgates [N x K] in one pass over the
-// logits. The indices must be those the forward wrote for the same inputs.
+// logits, plus the penalties' gradients. The indices must be those the forward
+// wrote for the same inputs, and the workspace the one it filled.
 template <class Router, class T>
 void backward(const Router& r, const route_inputs<T>& in, const backward_args& args, execution ex = {}) {
   static_assert(is_router<Router>, "cpu::backward: the first argument must be a moe_route::router");
   moe_route::detail::validate_backward(r, in, args);
+  moe_route::detail::validate_training_values(r, in);
   const int num_experts = in.num_experts;
   const int k = r.top_k;
   const std::int64_t entries = in.num_tokens * k;
@@ -533,11 +601,37 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
     if (args.indices[i] < 0 || args.indices[i] >= num_experts)
       moe_route::detail::fail("indices[" + std::to_string(i) + "] (= " + std::to_string(args.indices[i]) +
                               ") is not an expert in [0, num_experts)");
+  const penalty::switches on = penalty::active(r, in);
+  const bool penalties = Router::has_penalties && on.any() && in.num_tokens > 0;
+  std::optional<detail::workspace_view> ws;
+  penalty::token_weights weights;
+  if constexpr (Router::has_penalties) {
+    if (penalties) {
+      ws.emplace(args.workspace, penalty::training_layout<Router>(in.num_tokens, num_experts, in.num_sequences));
+      const penalty::upstream_grads up = detail::upstream_of<Router>(args);
+      if (on.distribution) detail::distribution_grads(r, in, up, *ws);
+      weights = penalty::weights(r, *ws->header, up);
+    }
+  }
   detail::for_token_blocks(in.num_tokens, ex, [&](std::int64_t begin, std::int64_t end, int,
                                                    detail::row_scratch& scratch) {
-    for (std::int64_t t = begin; t < end; ++t)
-      detail::backward_row(r, in.logits + t * num_experts, num_experts, args.indices + t * k,
-                           args.grad_gates + t * k, scratch, args.grad_logits + t * num_experts);
+    for (std::int64_t t = begin; t < end; ++t) {
+      const T* z = in.logits + t * num_experts;
+      float* dz = args.grad_logits + t * num_experts;
+      bool biased = false;
+      if constexpr (Router::template has<prior::log_prior_bias>) {
+        // With bias_gates the gates were computed from z', and dL/dz = dL/dz'.
+        if (get<prior::log_prior_bias>(r).bias_gates && detail::prior_active(r, in, t)) {
+          const float* b = in.prior_bias + std::int64_t{in.token_prior_row[t]} * num_experts;
+          detail::biased_row(z, b, get<prior::log_prior_bias>(r).beta, num_experts, scratch.biased);
+          detail::backward_row(r, scratch.biased, num_experts, args.indices + t * k, args.grad_gates + t * k, scratch, dz);
+          biased = true;
+        }
+      }
+      if (!biased) detail::backward_row(r, z, num_experts, args.indices + t * k, args.grad_gates + t * k, scratch, dz);
+      if constexpr (Router::has_penalties)
+        if (penalties) detail::penalty_backward_row(r, in, on, weights, *ws, t, scratch.penalties, dz);
+    }
   });
 }
 

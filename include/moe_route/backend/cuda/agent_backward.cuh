@@ -62,8 +62,8 @@ MOE_ROUTE_CUDA_DEVICE selected_grad backward_selected(const Router& r, const bac
   }
   const std::uint32_t valid_mask = W::ballot(valid);
 
-  float selected[Router::max_k];
-  float grad[Router::max_k];
+  float selected[Router::max_k] = {};  // zeroed: silences a GCC -Wmaybe-uninitialized false positive (emulator builds)
+  float grad[Router::max_k] = {};
   float dsel[Router::max_k];
   bool last = valid;  // no later slot selects the same expert
   for (int j = 0; j < k; ++j) {

@@ -102,6 +102,7 @@ backward_router_t<Router> backward_router(const Router& r) {
     int top_k;
     bool normalize;
     float scaling_factor;
+    moe_route::detail::policy_pack<> policies;  // none: the training policies run in training.cuh
   };
   static_assert(sizeof(backward_router_t<Router>) == sizeof(known_fields),
                 "moe_route::router changed: update cuda::detail::backward_router");

@@ -30,5 +30,10 @@ inline void check_launch(const char* call) {
   if (code != cudaSuccess) throw cuda_error(call, code);
 }
 
+// After a runtime call: throws cuda_error naming `call` if it failed.
+inline void check_launch(cudaError_t code, const char* call) {
+  if (code != cudaSuccess) throw cuda_error(call, code);
+}
+
 }  // namespace detail
 }  // namespace moe_route::cuda

@@ -31,6 +31,7 @@
 #include "dispatch.cuh"
 #include "error.cuh"
 #include "kernels.cuh"
+#include "training.cuh"
 #include "tuning.cuh"
 
 namespace moe_route::detail {
@@ -74,13 +75,27 @@ const storage_t<T>* storage_pointer(const T* p) {
 
 // Forward: out.indices[N x K] (descending key order, ties to the lower expert)
 // and out.gates[N x K]; if out.nonfinite_rows is set, the number of rows with a
-// NaN or +-inf logit is added to that device counter.
+// NaN or +-inf logit is added to that device counter. Routers with a prior
+// policy or penalties run the training kernels in mode::train (training.cuh):
+// out.penalty_values is a device array, out.workspace device memory.
 template <class Router, class T>
 void route(const Router& r, const route_inputs<T>& in, const route_outputs& out, cudaStream_t stream = 0) {
   static_assert(is_router<Router>, "cuda::route: the first argument must be a moe_route::router");
   moe_route::detail::validate_route(r, in, out);
+  if constexpr (Router::has_penalties) {
+    if (in.num_tokens == 0 || in.mode != mode::train) {
+      detail::check_launch(cudaMemsetAsync(out.penalty_values, 0, sizeof(double) * Router::num_penalties, stream),
+                           "moe_route::cuda::route: zeroing the penalty values");
+    }
+  }
   if (in.num_tokens == 0) return;
   using S = detail::storage_t<T>;
+  if constexpr (Router::has_prior || Router::has_penalties) {
+    if (in.mode == mode::train) {
+      detail::route_training(r, in, detail::storage_pointer(in.logits), out, stream);
+      return;
+    }
+  }
   detail::route_params<S> p{detail::storage_pointer(in.logits), in.num_tokens, in.num_experts, in.expert_bias,
                             out.indices, out.gates, detail::make_group_layout(r, in.num_experts)};
   detail::dispatch_route(r, p, out.nonfinite_rows, stream);
@@ -95,6 +110,12 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
   moe_route::detail::validate_backward(r, in, args);
   if (in.num_tokens == 0) return;
   using S = detail::storage_t<T>;
+  if constexpr (Router::has_prior || Router::has_penalties) {
+    if (in.mode == mode::train) {
+      detail::backward_training(r, in, detail::storage_pointer(in.logits), args, stream);
+      return;
+    }
+  }
   detail::backward_params<S> p{detail::storage_pointer(in.logits), in.num_tokens, in.num_experts,
                                args.indices, args.grad_gates, args.grad_logits};
   detail::dispatch_backward(detail::backward_router(r), p, stream);

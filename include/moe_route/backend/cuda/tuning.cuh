@@ -3,6 +3,7 @@
 // never results: every launch shape computes the same bits.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "../../config.hpp"
@@ -40,6 +41,12 @@ inline constexpr launch_policy backward_general{8, std::int64_t{1} << 16};
 // uses fewer warps per block when E is large so a block stays within this
 // budget (no opt-in to large dynamic shared memory needed).
 inline constexpr int general_shared_bytes = 48 * 1024;
+
+// The training route kernel (agent_training.cuh) keeps E keys and E
+// fixed-point sums per warp in shared memory (opting in above 48 KiB), and a
+// bounded grid so each warp routes many tokens before its sums are flushed.
+inline constexpr std::size_t training_shared_bytes = 96 * 1024;
+inline constexpr std::int64_t training_max_blocks = 2048;
 
 // Threads of the single block of the expert-bias update.
 inline constexpr int bias_update_threads = 256;

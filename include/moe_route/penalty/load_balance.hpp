@@ -1,0 +1,30 @@
+// moe_route: the load-balancing loss (Switch Transformer / GShard). POLICIES.md section 5.
+#pragma once
+
+#include "penalty.hpp"
+
+namespace moe_route::penalty {
+
+// L = alpha * E * sum_e f_e * P_e, with P_e = (1/N) sum_t p(z_t)_e and f_e the
+// share of the N*K selections that went to expert e (a constant: no gradient
+// flows through the counts). dL/dp(z_t)_e = alpha * E * f_e / N.
+struct load_balance {
+  enum class scope {
+    batch,         // f and P over the tokens of the call
+    sequence,      // f and P per sequence (route_inputs::sequence_ids), averaged over the sequences
+    global_batch,  // f supplied by the caller (route_inputs::load_fractions), P over the call
+  };
+  static constexpr penalty::space space = penalty::space::distribution;
+  static constexpr const char* name = "load_balance";
+
+  float coefficient = 1e-3f;  // alpha
+  scope over = scope::batch;
+  // global_batch takes f from the caller: counts all-reduced over data-parallel
+  // ranks, or counts *after admission* (penalty::load_fractions skips dropped
+  // assignments), which is how the balance is measured after capacity drops.
+};
+
+template <>
+inline constexpr bool is_penalty<load_balance> = true;
+
+}  // namespace moe_route::penalty

@@ -1,0 +1,734 @@
+// The training policies (POLICIES.md sections 3 and 5) on the CPU backend:
+// the prior policies and every penalty, alone and combined, against
+// double-precision references written here from the formulas, with
+// finite-difference checks of the fused backward under every gating.
+#include <map>
+
+#include "reference.hpp"
+
+namespace mr = moe_route;
+namespace pen = moe_route::penalty;
+namespace pri = moe_route::prior;
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// A training batch: logits, a prior table, per-token rows, sequences, ranks.
+
+struct batch {
+  std::int64_t N = 0;
+  int E = 0;
+  std::vector<float> z;
+  std::int64_t S = 0;
+  std::vector<float> bias, probs;  // prepared prior (b, clamped pi)
+  std::vector<std::int32_t> rows;  // r(t)
+  std::int32_t num_sequences = 0;
+  std::vector<std::int32_t> sequence_ids;
+  std::vector<float> load_fractions;
+  std::vector<std::int32_t> expert_rank;
+  std::int32_t rank = 0;
+  std::vector<float> expert_bias;
+  mr::mode mode = mr::mode::train;
+
+  mr::route_inputs<float> inputs() const {
+    mr::route_inputs<float> in;
+    in.logits = z.data();
+    in.num_tokens = N;
+    in.num_experts = E;
+    in.expert_bias = expert_bias.empty() ? nullptr : expert_bias.data();
+    in.mode = mode;
+    in.prior_bias = bias.empty() ? nullptr : bias.data();
+    in.prior_probs = probs.empty() ? nullptr : probs.data();
+    in.prior_rows = S;
+    in.token_prior_row = rows.empty() ? nullptr : rows.data();
+    in.sequence_ids = sequence_ids.empty() ? nullptr : sequence_ids.data();
+    in.num_sequences = num_sequences;
+    in.load_fractions = load_fractions.empty() ? nullptr : load_fractions.data();
+    in.expert_rank = expert_rank.empty() ? nullptr : expert_rank.data();
+    in.rank = rank;
+    return in;
+  }
+};
+
+// The reference prior preparation (RPB eq. 3) in double.
+void prepare_reference(const std::vector<double>& pi, int E, double eps, double cap, std::vector<float>& b,
+                       std::vector<float>& c_out) {
+  const std::size_t rows = pi.size() / E;
+  b.resize(pi.size());
+  c_out.resize(pi.size());
+  for (std::size_t r = 0; r < rows; ++r) {
+    std::vector<double> c(E);
+    double sum = 0;
+    for (int e = 0; e < E; ++e) sum += (c[e] = std::clamp(pi[r * E + e], eps / E, cap / E));
+    double mean = 0;
+    for (int e = 0; e < E; ++e) mean += std::log(c[e] / sum) / E;
+    for (int e = 0; e < E; ++e) {
+      b[r * E + e] = static_cast<float>(std::log(c[e] / sum) - mean);
+      c_out[r * E + e] = static_cast<float>(c[e] / sum);
+    }
+  }
+}
+
+batch make_batch(ref::rng& g, std::int64_t N, int E, std::int64_t S, double sigma = 1.5) {
+  batch b;
+  b.N = N;
+  b.E = E;
+  b.z = ref::random_logits<float>(g, N, E, sigma);
+  b.S = S;
+  std::vector<double> pi(S * E);
+  for (std::int64_t r = 0; r < S; ++r) {
+    double sum = 0;
+    for (int e = 0; e < E; ++e) sum += (pi[r * E + e] = std::exp(g.normal(1.2)));
+    for (int e = 0; e < E; ++e) pi[r * E + e] /= sum;
+  }
+  prepare_reference(pi, E, 0.05, 5.0, b.bias, b.probs);
+  b.rows.resize(N);
+  for (auto& r : b.rows) r = g.integer(-1, static_cast<int>(S) - 1);  // some tokens without a prior
+  b.num_sequences = 3;
+  b.sequence_ids.resize(N);
+  for (std::int64_t t = 0; t < N; ++t) b.sequence_ids[t] = static_cast<std::int32_t>(t * 3 / N);
+  b.load_fractions.resize(E);
+  double total = 0;
+  for (int e = 0; e < E; ++e) total += (b.load_fractions[e] = static_cast<float>(g.uniform(0.2, 1.0)));
+  for (auto& f : b.load_fractions) f = static_cast<float>(f / total);
+  b.expert_rank.resize(E);
+  for (int e = 0; e < E; ++e) b.expert_rank[e] = e * 4 / E;  // 4 ranks
+  b.rank = 1;
+  return b;
+}
+
+// ---------------------------------------------------------------------------
+// Running the library.
+
+template <class Router>
+struct lib_run {
+  std::vector<std::int32_t> idx;
+  std::vector<float> gates;
+  std::vector<double> values;
+  std::vector<unsigned char> workspace;
+  std::vector<float> dz;
+};
+
+template <class Router>
+lib_run<Router> run_lib(const Router& r, const batch& b, const std::vector<float>& grad_gates,
+                        const std::vector<float>& penalty_grads, int threads = 1) {
+  lib_run<Router> out;
+  const auto in = b.inputs();
+  const int K = r.top_k;
+  out.idx.assign(b.N * K, -7);
+  out.gates.assign(b.N * K, -7.0f);
+  out.values.assign(std::max(1, Router::num_penalties), -7.0);
+  out.workspace.assign(mr::penalty::training_workspace_bytes(r, b.N, b.E, b.num_sequences), 0xab);
+  mr::route_outputs o;
+  o.indices = out.idx.data();
+  o.gates = out.gates.data();
+  o.penalty_values = out.values.data();
+  o.workspace = out.workspace.data();
+  o.workspace_bytes = out.workspace.size();
+  mr::cpu::route(r, in, o, mr::cpu::execution{threads});
+  out.dz.assign(b.N * b.E, -7.0f);
+  mr::backward_args a;
+  a.indices = out.idx.data();
+  a.grad_gates = grad_gates.data();
+  a.grad_logits = out.dz.data();
+  a.workspace = out.workspace.data();
+  a.workspace_bytes = out.workspace.size();
+  a.penalty_grads = penalty_grads.empty() ? nullptr : penalty_grads.data();
+  mr::cpu::backward(r, in, a, mr::cpu::execution{threads});
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// The reference: the training loss of one step as a function of the logits,
+// the selection (and so the load counts f) held at the forward's indices.
+//   L(z) = sum_{t,k} c_tk w_tk(z'_t) + sum_j u_j penalty_j(z)
+
+struct policies {
+  bool prior_soft = false, prior_hard = false, bias_gates = true;
+  double beta = 0;
+  bool lb = false, z = false, kl = false, l2 = false, loc = false;
+  pen::load_balance::scope lb_scope = pen::load_balance::scope::batch;
+  double lb_c = 0, z_c = 0, kl_c = 0, l2_c = 0, loc_c = 0, loc_eps = 1e-3;
+};
+
+template <class Router>
+policies policies_of(const Router& r) {
+  policies p;
+  if constexpr (Router::template has<pri::log_prior_bias>) {
+    p.prior_soft = true;
+    p.beta = mr::get<pri::log_prior_bias>(r).beta;
+    p.bias_gates = mr::get<pri::log_prior_bias>(r).bias_gates;
+  }
+  if constexpr (Router::template has<pri::prior_override>) p.prior_hard = true;
+  if constexpr (Router::template has<pen::load_balance>) {
+    p.lb = true;
+    p.lb_c = mr::get<pen::load_balance>(r).coefficient;
+    p.lb_scope = mr::get<pen::load_balance>(r).over;
+  }
+  if constexpr (Router::template has<pen::z_loss>) p.z = true, p.z_c = mr::get<pen::z_loss>(r).coefficient;
+  if constexpr (Router::template has<pen::kl_to_base>) p.kl = true, p.kl_c = mr::get<pen::kl_to_base>(r).coefficient;
+  if constexpr (Router::template has<pen::logit_l2>) p.l2 = true, p.l2_c = mr::get<pen::logit_l2>(r).coefficient;
+  if constexpr (Router::template has<pen::locality>) {
+    p.loc = true;
+    p.loc_c = mr::get<pen::locality>(r).coefficient;
+    p.loc_eps = mr::get<pen::locality>(r).epsilon;
+  }
+  return p;
+}
+
+// The routing distribution of the gating (POLICIES section 1) in double.
+std::vector<double> distribution(ref::gate_kind gk, const std::vector<double>& z) {
+  const int E = static_cast<int>(z.size());
+  std::vector<double> p(E);
+  double sum = 0;
+  if (gk == ref::gate_kind::sigmoid || gk == ref::gate_kind::sqrt_softplus) {
+    for (int e = 0; e < E; ++e)
+      sum += (p[e] = gk == ref::gate_kind::sigmoid ? 1.0 / (1.0 + std::exp(-z[e])) : std::sqrt(std::log1p(std::exp(z[e]))));
+  } else {
+    const double m = *std::max_element(z.begin(), z.end());
+    for (int e = 0; e < E; ++e) sum += (p[e] = std::exp(z[e] - m));
+  }
+  for (auto& x : p) x /= sum;
+  return p;
+}
+
+double logsumexp(const std::vector<double>& z) {
+  const double m = *std::max_element(z.begin(), z.end());
+  double s = 0;
+  for (double x : z) s += std::exp(x - m);
+  return m + std::log(s);
+}
+
+// The penalty values in the router's penalty order (that of the test's
+// router types: load_balance, z_loss, kl_to_base, logit_l2, locality, each if present).
+std::vector<double> penalty_values(const policies& p, ref::gate_kind gk, const batch& b, const std::vector<double>& z,
+                                   const std::vector<std::int32_t>& idx, int K) {
+  const int E = b.E;
+  std::vector<std::vector<double>> dist(b.N);
+  std::vector<char> valid(b.N);
+  std::int64_t nv = 0, nt = 0;
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    const std::vector<double> zt(z.begin() + t * E, z.begin() + (t + 1) * E);
+    valid[t] = std::all_of(zt.begin(), zt.end(), [](double x) { return std::isfinite(x); });
+    if (!valid[t]) continue;
+    dist[t] = distribution(gk, zt);
+    ++nv;
+    nt += b.rows[t] >= 0 ? 1 : 0;
+  }
+  std::vector<double> out;
+  if (p.lb) {
+    double value = 0;
+    if (p.lb_scope == pen::load_balance::scope::sequence) {
+      int nonempty = 0;
+      for (int s = 0; s < b.num_sequences; ++s) {
+        std::vector<double> f(E, 0), P(E, 0);
+        double ns = 0;
+        for (std::int64_t t = 0; t < b.N; ++t) {
+          if (!valid[t] || b.sequence_ids[t] != s) continue;
+          ns += 1;
+          for (int j = 0; j < K; ++j) f[idx[t * K + j]] += 1;
+          for (int e = 0; e < E; ++e) P[e] += dist[t][e];
+        }
+        if (ns == 0) continue;
+        ++nonempty;
+        for (int e = 0; e < E; ++e) value += (f[e] / (ns * K)) * (P[e] / ns);
+      }
+      value = nonempty ? p.lb_c * E * value / nonempty : 0.0;
+    } else {
+      std::vector<double> f(E, 0), P(E, 0);
+      for (std::int64_t t = 0; t < b.N; ++t) {
+        if (!valid[t]) continue;
+        for (int j = 0; j < K; ++j) f[idx[t * K + j]] += 1.0 / (static_cast<double>(nv) * K);
+        for (int e = 0; e < E; ++e) P[e] += dist[t][e] / nv;
+      }
+      if (p.lb_scope == pen::load_balance::scope::global_batch)
+        for (int e = 0; e < E; ++e) f[e] = b.load_fractions[e];
+      for (int e = 0; e < E; ++e) value += p.lb_c * E * f[e] * P[e];
+    }
+    out.push_back(value);
+  }
+  if (p.z) {
+    double v = 0;
+    for (std::int64_t t = 0; t < b.N; ++t) {
+      if (!valid[t]) continue;
+      const double l = logsumexp(std::vector<double>(z.begin() + t * E, z.begin() + (t + 1) * E));
+      v += l * l;
+    }
+    out.push_back(nv ? p.z_c * v / nv : 0.0);
+  }
+  if (p.kl) {
+    double v = 0;
+    for (std::int64_t t = 0; t < b.N; ++t) {
+      if (!valid[t] || b.rows[t] < 0) continue;
+      for (int e = 0; e < E; ++e) {
+        const double pi = b.probs[b.rows[t] * E + e];
+        v += pi * (std::log(pi) - std::log(dist[t][e]));
+      }
+    }
+    out.push_back(nt ? p.kl_c * v / nt : 0.0);
+  }
+  if (p.l2) {
+    double v = 0;
+    for (std::int64_t t = 0; t < b.N; ++t) {
+      if (!valid[t] || b.rows[t] < 0) continue;
+      // center(z) - center(log pi) with pi the clamped prior
+      double mz = 0, ml = 0;
+      for (int e = 0; e < E; ++e) {
+        mz += z[t * E + e] / E;
+        ml += std::log(static_cast<double>(b.probs[b.rows[t] * E + e])) / E;
+      }
+      for (int e = 0; e < E; ++e) {
+        const double d = (z[t * E + e] - mz) - (std::log(static_cast<double>(b.probs[b.rows[t] * E + e])) - ml);
+        v += d * d;
+      }
+    }
+    out.push_back(nt ? p.l2_c * v / nt : 0.0);
+  }
+  if (p.loc) {
+    int local = 0;
+    for (int e = 0; e < E; ++e) local += b.expert_rank[e] == b.rank;
+    double v = 0;
+    for (int e = 0; e < E; ++e) {
+      double dc = 0;
+      for (std::int64_t t = 0; t < b.N; ++t)
+        if (valid[t]) dc += dist[t][e] / nv;
+      const double dl = local == E ? 1.0 / E
+                        : b.expert_rank[e] == b.rank ? (1 - p.loc_eps) / local
+                                                     : p.loc_eps / (E - local);
+      if (dc > 0) v += dc * std::log(dc / dl);
+    }
+    out.push_back(p.loc_c * v);
+  }
+  return out;
+}
+
+bool prior_acts(const policies& p, const batch& b, std::int64_t t) {
+  return b.mode == mr::mode::train && b.rows[t] >= 0 && (p.prior_hard || (p.prior_soft && p.beta != 0.0));
+}
+
+// The loss with the selection fixed.
+double loss(const policies& p, const ref::spec& sp, const batch& b, const std::vector<double>& z,
+            const std::vector<std::int32_t>& idx, const std::vector<float>& c, const std::vector<float>& u) {
+  const int E = b.E, K = sp.K;
+  double L = 0;
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    std::vector<double> zt(z.begin() + t * E, z.begin() + (t + 1) * E);
+    if (prior_acts(p, b, t) && p.prior_soft && p.bias_gates)
+      for (int e = 0; e < E; ++e) zt[e] += p.beta * b.bias[b.rows[t] * E + e];
+    const auto w = ref::gates_of_logits(sp, zt, idx.data() + t * K);
+    for (int j = 0; j < K; ++j) L += c[t * K + j] * w[j];
+  }
+  if (b.mode == mr::mode::train) {
+    const auto v = penalty_values(p, sp.gate, b, z, idx, K);
+    for (std::size_t j = 0; j < v.size(); ++j) L += u[j] * v[j];
+  }
+  return L;
+}
+
+// The reference selection of every token: the router's own (ref::select) or,
+// where the prior acts, on z' (soft) or on the prior bias row (hard).
+std::vector<std::int32_t> reference_indices(const policies& p, const ref::spec& sp, const batch& b) {
+  const int E = b.E, K = sp.K;
+  std::vector<std::int32_t> idx(b.N * K);
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    std::vector<double> v(E);
+    for (int e = 0; e < E; ++e) v[e] = ref::sanitize(b.z[t * E + e]);
+    if (prior_acts(p, b, t) && p.prior_soft)
+      for (int e = 0; e < E; ++e) v[e] = ref::sanitize(b.z[t * E + e] + p.beta * b.bias[b.rows[t] * E + e]);
+    std::vector<int> order;
+    if (prior_acts(p, b, t) && p.prior_hard) {
+      std::vector<double> key(b.bias.begin() + b.rows[t] * E, b.bias.begin() + (b.rows[t] + 1) * E);
+      std::vector<int> all(E);
+      std::iota(all.begin(), all.end(), 0);
+      order = ref::rank_by_key(key, all);
+      order.resize(K);
+    } else {
+      order = ref::select(sp, v, ref::scores(sp.gate, v), b.expert_bias.empty() ? nullptr : b.expert_bias.data(), t).order;
+    }
+    for (int j = 0; j < K; ++j) idx[t * K + j] = order[j];
+  }
+  return idx;
+}
+
+// Forward (indices, gates, values) and backward (finite differences of loss())
+// of the library against the reference.
+template <class Router>
+void check_training(const Router& r, const batch& b, ref::rng& g, int threads = 1) {
+  const policies p = policies_of(r);
+  const ref::spec sp = ref::spec_of(r);
+  const int K = r.top_k, E = b.E;
+  std::vector<float> c(b.N * K), u(std::max(1, Router::num_penalties));
+  for (auto& x : c) x = static_cast<float>(g.normal());
+  for (auto& x : u) x = static_cast<float>(g.uniform(0.5, 2.0));
+  const auto lib = run_lib(r, b, c, u, threads);
+
+  const auto idx = reference_indices(p, sp, b);
+  CHECK_MESSAGE(lib.idx == idx, "indices differ from the reference");
+
+  std::vector<double> z(b.z.begin(), b.z.end());
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    std::vector<double> zt(z.begin() + t * E, z.begin() + (t + 1) * E);
+    if (prior_acts(p, b, t) && p.prior_soft && p.bias_gates)
+      for (int e = 0; e < E; ++e) zt[e] += p.beta * b.bias[b.rows[t] * E + e];
+    const auto w = ref::gates_of_logits(sp, zt, idx.data() + t * K);
+    for (int j = 0; j < K; ++j) CHECK(ref::close(lib.gates[t * K + j], w[j], 2e-5, 1e-7));
+  }
+  if (Router::has_penalties) {
+    const auto v = b.mode == mr::mode::train ? penalty_values(p, sp.gate, b, z, idx, K)
+                                             : std::vector<double>(Router::num_penalties, 0.0);
+    REQUIRE(v.size() == static_cast<std::size_t>(Router::num_penalties));
+    for (std::size_t j = 0; j < v.size(); ++j)
+      CHECK_MESSAGE(ref::close(lib.values[j], v[j], 2e-5, 1e-9), "penalty ", j, ": ", lib.values[j], " vs ", v[j]);
+  }
+  // dL/dz by central differences of the reference loss.
+  double scale = 0;
+  std::vector<double> fd(z.size());
+  for (std::size_t i = 0; i < z.size(); ++i) {
+    if (!std::isfinite(z[i])) {
+      fd[i] = 0;
+      continue;
+    }
+    const double h = 1e-5 * std::max(1.0, std::fabs(z[i]));
+    const double z0 = z[i];
+    z[i] = z0 + h;
+    const double lp = loss(p, sp, b, z, idx, c, u);
+    z[i] = z0 - h;
+    const double lm = loss(p, sp, b, z, idx, c, u);
+    z[i] = z0;
+    fd[i] = (lp - lm) / (2 * h);
+    scale = std::max(scale, std::fabs(fd[i]));
+  }
+  int bad = 0;
+  for (std::size_t i = 0; i < z.size(); ++i) {
+    const bool ok = ref::close(lib.dz[i], fd[i], 2e-3, 2e-5 * scale + 1e-8);
+    if (!ok && bad++ < 5) FAIL_CHECK("dz[", i, "] = ", lib.dz[i], ", finite differences ", fd[i]);
+  }
+  CHECK(bad == 0);
+}
+
+template <class G>
+using plain = mr::router<G, mr::selection::top_k, 8>;
+
+template <class G>
+plain<G> base_router(int K = 3) {
+  plain<G> r;
+  r.top_k = K;
+  return r;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("penalties: each alone, values and gradients against the references", G, mr::gating::softmax,
+                   mr::gating::sigmoid, mr::gating::sqrt_softplus, mr::gating::softmax_after_topk) {
+  ref::rng g(11);
+  const batch b = make_batch(g, 19, 13, 4);
+  const auto base = base_router<G>();
+  SUBCASE("load_balance, batch") { check_training(mr::with_policies(base, pen::load_balance{0.7f}), b, g); }
+  SUBCASE("load_balance, sequence") {
+    check_training(mr::with_policies(base, pen::load_balance{0.7f, pen::load_balance::scope::sequence}), b, g);
+  }
+  SUBCASE("load_balance, global batch") {
+    check_training(mr::with_policies(base, pen::load_balance{0.7f, pen::load_balance::scope::global_batch}), b, g);
+  }
+  SUBCASE("z_loss") { check_training(mr::with_policies(base, pen::z_loss{0.05f}), b, g); }
+  SUBCASE("kl_to_base") { check_training(mr::with_policies(base, pen::kl_to_base{0.6f}), b, g); }
+  SUBCASE("logit_l2") { check_training(mr::with_policies(base, pen::logit_l2{0.2f}), b, g); }
+  SUBCASE("locality") { check_training(mr::with_policies(base, pen::locality{0.8f, 0.05f}), b, g); }
+}
+
+TEST_CASE_TEMPLATE("penalties combined with a prior policy, one and several threads", G, mr::gating::softmax,
+                   mr::gating::sigmoid, mr::gating::sqrt_softplus) {
+  ref::rng g(12);
+  batch b = make_batch(g, 600, 20, 7);
+  const auto base = base_router<G>(4);
+  const auto r = mr::with_policies(base, pri::log_prior_bias{0.8f}, pen::load_balance{0.5f}, pen::z_loss{0.01f},
+                                   pen::kl_to_base{0.3f}, pen::logit_l2{0.1f}, pen::locality{0.4f, 0.01f});
+  b.N = 40;  // finite differences on a prefix; the threads check on all 600
+  b.z.resize(b.N * b.E);
+  b.rows.resize(b.N);
+  b.sequence_ids.resize(b.N);
+  check_training(r, b, g);
+  const batch big = make_batch(g, 600, 20, 7);
+  std::vector<float> c(600 * 4, 0.5f), u(5, 1.0f);
+  const auto one = run_lib(r, big, c, u, 1);
+  const auto three = run_lib(r, big, c, u, 3);
+  CHECK(one.idx == three.idx);
+  CHECK(std::memcmp(one.gates.data(), three.gates.data(), one.gates.size() * 4) == 0);
+  CHECK(std::memcmp(one.values.data(), three.values.data(), one.values.size() * 8) == 0);
+  CHECK(std::memcmp(one.dz.data(), three.dz.data(), one.dz.size() * 4) == 0);
+}
+
+TEST_CASE("log_prior_bias: selection and gates on z' (bias_gates) or gates on z, against the reference") {
+  ref::rng g(13);
+  const batch b = make_batch(g, 30, 16, 5);
+  SUBCASE("softmax, bias_gates") {
+    check_training(mr::with_policies(base_router<mr::gating::softmax>(), pri::log_prior_bias{1.0f}), b, g);
+  }
+  SUBCASE("sigmoid + expert bias, bias_gates = false") {
+    mr::router<mr::gating::sigmoid, mr::selection::expert_bias, 8, pri::log_prior_bias> r;
+    r.top_k = 4;
+    mr::get<pri::log_prior_bias>(r) = {2.0f, false};
+    batch bb = b;
+    bb.expert_bias = ref::random_bias(g, bb.E, 0.1);
+    check_training(r, bb, g);
+  }
+  SUBCASE("group-limited") {
+    mr::router<mr::gating::sigmoid, mr::selection::group_limited<mr::selection::top_k>, 8, pri::log_prior_bias> r;
+    r.top_k = 4;
+    r.selection.groups = 4;
+    r.selection.top_groups = 2;
+    r.selection.per_group_k = 2;
+    check_training(r, b, g);
+  }
+}
+
+TEST_CASE("prior_override: the K largest prior biases, gates from the unmodified router") {
+  ref::rng g(14);
+  batch b = make_batch(g, 30, 12, 4);
+  // ties in the prior: the lower expert wins
+  for (int e = 0; e < 6; ++e) b.bias[e] = 0.25f;
+  const auto r = mr::with_policies(base_router<mr::gating::softmax>(4), pri::prior_override{}, pen::kl_to_base{0.5f});
+  check_training(r, b, g);
+  const auto sig = mr::with_policies(base_router<mr::gating::sigmoid>(3), pri::prior_override{});
+  check_training(sig, b, g);
+}
+
+TEST_CASE("beta = 0 is plain routing bit for bit; tokens without a prior row are untouched") {
+  ref::rng g(15);
+  const batch b = make_batch(g, 300, 24, 6);
+  for (int K : {1, 4}) {
+    const auto base = base_router<mr::gating::softmax>(K);
+    std::vector<float> c(b.N * K);
+    for (auto& x : c) x = static_cast<float>(g.normal());
+    const auto plain_run = run_lib(base, b, c, {});
+    const auto zero = run_lib(mr::with_policies(base, pri::log_prior_bias{0.0f}), b, c, {});
+    CHECK(zero.idx == plain_run.idx);
+    CHECK(std::memcmp(zero.gates.data(), plain_run.gates.data(), zero.gates.size() * 4) == 0);
+    CHECK(std::memcmp(zero.dz.data(), plain_run.dz.data(), zero.dz.size() * 4) == 0);
+    const auto soft = run_lib(mr::with_policies(base, pri::log_prior_bias{3.0f}), b, c, {});
+    const auto hard = run_lib(mr::with_policies(base, pri::prior_override{}), b, c, {});
+    int changed = 0;
+    for (std::int64_t t = 0; t < b.N; ++t) {
+      for (int j = 0; j < K; ++j) {
+        const std::int64_t i = t * K + j;
+        if (b.rows[t] < 0) {
+          CHECK(soft.idx[i] == plain_run.idx[i]);
+          CHECK(hard.idx[i] == plain_run.idx[i]);
+          CHECK(ref::bits(soft.gates[i]) == ref::bits(plain_run.gates[i]));
+        } else {
+          changed += soft.idx[i] != plain_run.idx[i];
+        }
+      }
+      if (b.rows[t] < 0)
+        for (int e = 0; e < b.E; ++e) CHECK(ref::bits(soft.dz[t * b.E + e]) == ref::bits(plain_run.dz[t * b.E + e]));
+    }
+    CHECK(changed > 0);  // the prior does act on the other tokens
+  }
+}
+
+TEST_CASE("mode::eval ignores the prior and the penalties, verifiably") {
+  ref::rng g(16);
+  batch b = make_batch(g, 200, 16, 5);
+  const auto base = base_router<mr::gating::sigmoid>(3);
+  const auto r = mr::with_policies(base, pri::log_prior_bias{2.0f}, pen::load_balance{0.5f}, pen::z_loss{0.1f},
+                                   pen::kl_to_base{0.3f});
+  std::vector<float> c(b.N * 3, 1.0f);
+  const auto plain_run = run_lib(base, b, c, {});
+  const auto train = run_lib(r, b, c, {});
+  b.mode = mr::mode::eval;
+  const auto eval = run_lib(r, b, c, {});
+  CHECK(train.idx != plain_run.idx);
+  CHECK(eval.idx == plain_run.idx);
+  CHECK(std::memcmp(eval.gates.data(), plain_run.gates.data(), eval.gates.size() * 4) == 0);
+  CHECK(std::memcmp(eval.dz.data(), plain_run.dz.data(), eval.dz.size() * 4) == 0);
+  for (double v : eval.values) CHECK(v == 0.0);
+  // eval needs no prior or workspace at all
+  b.bias.clear();
+  b.probs.clear();
+  b.rows.clear();
+  b.S = 0;
+  mr::route_inputs<float> in = b.inputs();
+  std::vector<std::int32_t> idx(b.N * 3);
+  std::vector<float> gates(b.N * 3);
+  std::vector<double> values(3, -1.0);
+  mr::route_outputs o;
+  o.indices = idx.data();
+  o.gates = gates.data();
+  o.penalty_values = values.data();
+  mr::cpu::route(r, in, o);
+  CHECK(idx == plain_run.idx);
+  CHECK(values == std::vector<double>(3, 0.0));
+}
+
+TEST_CASE("a coefficient of 0: value 0 and the plain gradient, bit for bit") {
+  ref::rng g(17);
+  const batch b = make_batch(g, 150, 16, 5);
+  const auto base = base_router<mr::gating::softmax>(3);
+  const auto r = mr::with_policies(base, pen::load_balance{0.0f}, pen::z_loss{0.0f}, pen::kl_to_base{0.0f},
+                                   pen::logit_l2{0.0f}, pen::locality{0.0f});
+  std::vector<float> c(b.N * 3);
+  for (auto& x : c) x = static_cast<float>(g.normal());
+  const auto plain_run = run_lib(base, b, c, {});
+  const auto zero = run_lib(r, b, c, {});
+  CHECK(zero.values == std::vector<double>(5, 0.0));
+  CHECK(std::memcmp(zero.dz.data(), plain_run.dz.data(), zero.dz.size() * 4) == 0);
+}
+
+TEST_CASE("rows with NaN or inf logits take no part in the penalties") {
+  ref::rng g(18);
+  batch b = make_batch(g, 24, 10, 3);
+  b.z[5 * 10 + 2] = ref::fnan();
+  b.z[9 * 10 + 7] = ref::finf();
+  const auto r = mr::with_policies(base_router<mr::gating::softmax>(2), pen::load_balance{0.5f}, pen::z_loss{0.1f},
+                                   pen::kl_to_base{0.3f}, pen::logit_l2{0.2f}, pen::locality{0.3f});
+  check_training(r, b, g);  // the reference excludes them; dz of those rows is the gate gradient alone
+  std::vector<float> c(b.N * 2, 1.0f);
+  const auto lib = run_lib(r, b, c, {});
+  for (double v : lib.values) CHECK(std::isfinite(v));
+}
+
+TEST_CASE("hand-computed penalty values") {
+  // Two tokens, E = 2, softmax, K = 1: z = (0, 0) and (ln 3, 0).
+  batch b;
+  b.N = 2;
+  b.E = 2;
+  b.z = {0.0f, 0.0f, static_cast<float>(std::log(3.0)), 0.0f};
+  b.S = 1;
+  b.bias = {0.5f, -0.5f};
+  b.probs = {0.75f, 0.25f};
+  b.rows = {0, -1};
+  b.expert_rank = {0, 1};
+  b.rank = 0;
+  auto r = mr::with_policies(base_router<mr::gating::softmax>(1), pen::load_balance{1.0f}, pen::z_loss{1.0f},
+                             pen::kl_to_base{1.0f}, pen::logit_l2{1.0f}, pen::locality{1.0f, 0.5f});
+  const auto lib = run_lib(r, b, std::vector<float>(2, 0.0f), {});
+  // p = (1/2, 1/2), (3/4, 1/4); both tokens pick expert 0: f = (1, 0), P = (5/8, 3/8)
+  CHECK(lib.values[0] == doctest::Approx(2.0 * 1.0 * 0.625).epsilon(1e-6));
+  // lse = ln 2, ln 4
+  const double l2 = std::log(2.0), l4 = std::log(4.0);
+  CHECK(lib.values[1] == doctest::Approx((l2 * l2 + l4 * l4) / 2).epsilon(1e-6));
+  // KL((3/4, 1/4) || (1/2, 1/2)) for token 0 only
+  CHECK(lib.values[2] == doctest::Approx(0.75 * std::log(1.5) + 0.25 * std::log(0.5)).epsilon(1e-6));
+  // center(z_0) = 0, b = (1/2, -1/2): ||.||^2 = 1/2
+  CHECK(lib.values[3] == doctest::Approx(0.5).epsilon(1e-6));
+  // D_c = (5/8, 3/8), D_l = (1/2, 1/2) (eps = 1/2, one local expert)
+  CHECK(lib.values[4] == doctest::Approx(0.625 * std::log(1.25) + 0.375 * std::log(0.75)).epsilon(1e-6));
+  CHECK(mr::penalty_slot<pen::locality, decltype(r)> == 4);
+  CHECK(mr::penalty_slot<pen::z_loss, decltype(r)> == 1);
+}
+
+TEST_CASE("training inputs: bad arguments are rejected by name, nothing written") {
+  ref::rng g(19);
+  const batch good = make_batch(g, 10, 8, 3);
+  const auto r = mr::with_policies(base_router<mr::gating::softmax>(2), pri::log_prior_bias{}, pen::kl_to_base{},
+                                   pen::load_balance{0.1f, pen::load_balance::scope::sequence}, pen::locality{});
+  const auto expect_error = [&](batch b, const std::string& what, std::size_t workspace = 1 << 16) {
+    std::vector<std::int32_t> idx(b.N * 2, -7);
+    std::vector<float> gates(b.N * 2, -7.0f);
+    std::vector<double> values(3, -7.0);
+    std::vector<unsigned char> ws(workspace);
+    mr::route_outputs o;
+    o.indices = idx.data();
+    o.gates = gates.data();
+    o.penalty_values = values.data();
+    o.workspace = ws.data();
+    o.workspace_bytes = ws.size();
+    const auto in = b.inputs();
+    std::string message;
+    try {
+      mr::cpu::route(r, in, o);
+    } catch (const mr::error& e) {
+      message = e.what();
+    }
+    CHECK_MESSAGE(message.find(what) != std::string::npos, "expected '", what, "' in '", message, "'");
+    CHECK(idx == std::vector<std::int32_t>(b.N * 2, -7));
+    CHECK(values == std::vector<double>(3, -7.0));
+  };
+  {
+    batch b = good;
+    b.rows[3] = 3;
+    expect_error(b, "token_prior_row[3] (= 3)");
+  }
+  {
+    batch b = good;
+    b.rows[0] = -2;
+    expect_error(b, "token_prior_row[0]");
+  }
+  {
+    batch b = good;
+    b.S = 0;
+    expect_error(b, "prior_rows (= 0)");
+  }
+  {
+    batch b = good;
+    b.probs[5] = 0.0f;
+    expect_error(b, "prior_probs row 0 has a zero");
+  }
+  {
+    batch b = good;
+    b.bias[9] = ref::fnan();
+    expect_error(b, "prior_bias row 1 has a non-finite");
+  }
+  {
+    batch b = good;
+    b.rows.clear();
+    expect_error(b, "token_prior_row is null");
+  }
+  {
+    batch b = good;
+    b.sequence_ids[4] = 3;
+    expect_error(b, "sequence_ids[4] (= 3)");
+  }
+  {
+    batch b = good;
+    b.num_sequences = 0;
+    expect_error(b, "num_sequences (= 0)");
+  }
+  {
+    batch b = good;
+    b.rank = 9;
+    expect_error(b, "hosts no expert on rank (= 9)");
+  }
+  expect_error(good, "workspace_bytes (= 8)", 8);
+}
+
+TEST_CASE("penalty::load_fractions skips dropped assignments") {
+  const std::vector<std::int32_t> idx = {0, 2, -1, 2, 2, -1};
+  std::vector<float> f(3);
+  mr::penalty::load_fractions(idx.data(), 3, 2, 3, f.data());
+  CHECK(f == std::vector<float>{0.25f, 0.0f, 0.75f});
+}
+
+TEST_CASE("conditions: RPB Table 1 routers from any base router") {
+  const auto base = mr::presets::moonlight();
+  const auto lbl = mr::conditions::lbl(base);
+  const auto rpb = mr::conditions::rpb(base, 0.5f);
+  const auto hard = mr::conditions::global_hard(base);
+  static_assert(decltype(lbl)::has<pen::load_balance> && decltype(lbl)::num_penalties == 1);
+  static_assert(decltype(rpb)::has<pri::log_prior_bias> && !decltype(rpb)::has_penalties);
+  static_assert(decltype(hard)::has<pri::prior_override>);
+  static_assert(std::is_same_v<decltype(mr::conditions::sft(rpb)), decltype(mr::conditions::router_l2(base))>);
+  static_assert(std::is_same_v<decltype(mr::conditions::within_soft(base)), std::remove_const_t<decltype(rpb)>>);
+  static_assert(std::is_same_v<decltype(mr::conditions::within_hard(base)), std::remove_const_t<decltype(hard)>>);
+  CHECK(mr::get<pen::load_balance>(lbl).coefficient == 1e-3f);
+  CHECK(mr::get<pri::log_prior_bias>(rpb).beta == 0.5f);
+  CHECK(mr::get<pen::kl_to_base>(mr::conditions::kl_to_base(base, 0.3f)).coefficient == 0.3f);
+  CHECK(mr::get<pen::logit_l2>(mr::conditions::logit_l2(base)).coefficient == 1e-2f);
+  CHECK(mr::get<pen::z_loss>(mr::conditions::z_loss(base)).coefficient == 1e-3f);
+  // everything but the policies is the base router's
+  CHECK(rpb.top_k == base.top_k);
+  CHECK(rpb.normalize == base.normalize);
+  CHECK(rpb.scaling_factor == base.scaling_factor);
+  // switching conditions keeps the routing of a token without a prior identical
+  ref::rng g(20);
+  batch b = make_batch(g, 64, 64, 4);
+  b.expert_bias = ref::random_bias(g, 64);
+  std::vector<float> c(64 * 6, 1.0f);
+  for (auto& r : b.rows) r = -1;
+  const auto plain_run = run_lib(base, b, c, {});
+  const auto rpb_run = run_lib(rpb, b, c, {});
+  CHECK(plain_run.idx == rpb_run.idx);
+  CHECK(std::memcmp(plain_run.dz.data(), rpb_run.dz.data(), plain_run.dz.size() * 4) == 0);
+}

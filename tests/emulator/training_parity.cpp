@@ -1,0 +1,224 @@
+// The CUDA backend's training agents (backend/cuda/agent_training.cuh) run
+// under the host warp emulator and must give the CPU backend's bits: indices,
+// gates, non-finite counts, penalty values and dL/dz, for every prior policy
+// and penalty. The small per-call kernels (chunk totals, the shared dL/dp) are
+// replayed here with the same shared arithmetic (penalty/finalize.hpp).
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "warp_emulator.hpp"
+#include <moe_route/moe_route.hpp>
+#include <moe_route/backend/cuda/agent_training.cuh>
+
+namespace mr = moe_route;
+namespace cd = moe_route::cuda::detail;
+namespace pen = moe_route::penalty;
+namespace pri = moe_route::prior;
+
+namespace {
+
+struct batch {
+  std::int64_t N;
+  int E;
+  std::vector<float> z, expert_bias, prior_bias, prior_probs, load_fractions;
+  std::vector<std::int32_t> rows, sequence_ids, expert_rank;
+  std::int64_t S = 5;
+  std::int32_t num_sequences = 3;
+
+  batch(std::int64_t n, int e, std::uint64_t seed) : N(n), E(e) {
+    std::mt19937_64 g(seed);
+    // Integer-derived values: the same on every build.
+    const auto uniform = [&g](int lo, int hi) { return lo + static_cast<int>(g() % static_cast<std::uint64_t>(hi - lo + 1)); };
+    z.resize(N * E);
+    for (std::int64_t t = 0; t < N; ++t)
+      for (int x = 0; x < E; ++x) z[t * E + x] = uniform(-400, 400) / 128.0f;
+    z[3 * E + 1] = std::numeric_limits<float>::quiet_NaN();   // rows left out of the penalties
+    z[7 * E + 2] = std::numeric_limits<float>::infinity();
+    for (int x = 0; x < E; ++x) z[11 * E + x] = 0.5f;           // a tied row
+    expert_bias.resize(E);
+    for (auto& b : expert_bias) b = uniform(-8, 8) / 64.0f;
+    std::vector<float> pi(S * E);
+    for (auto& p : pi) p = uniform(1, 1000) / 1000.0f;
+    prior_bias.resize(S * E);
+    prior_probs.resize(S * E);
+    mr::prior::prepare(pi.data(), S, E, prior_bias.data(), prior_probs.data());
+    rows.resize(N);
+    for (auto& r : rows) r = uniform(-1, static_cast<int>(S) - 1);
+    sequence_ids.resize(N);
+    for (std::int64_t t = 0; t < N; ++t) sequence_ids[t] = static_cast<std::int32_t>(t * num_sequences / N);
+    load_fractions.assign(E, 1.0f / E);
+    expert_rank.resize(E);
+    for (int x = 0; x < E; ++x) expert_rank[x] = x % 3;
+  }
+
+  mr::route_inputs<float> inputs() const {
+    mr::route_inputs<float> in;
+    in.logits = z.data();
+    in.num_tokens = N;
+    in.num_experts = E;
+    in.expert_bias = expert_bias.data();
+    in.prior_bias = prior_bias.data();
+    in.prior_probs = prior_probs.data();
+    in.prior_rows = S;
+    in.token_prior_row = rows.data();
+    in.sequence_ids = sequence_ids.data();
+    in.num_sequences = num_sequences;
+    in.load_fractions = load_fractions.data();
+    in.expert_rank = expert_rank.data();
+    in.rank = 1;
+    return in;
+  }
+};
+
+template <class V>
+bool same_bits(const std::vector<V>& a, const std::vector<V>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(V)) == 0;
+}
+
+template <class Router>
+void check_parity(const Router& r, const batch& b) {
+  const auto in = b.inputs();
+  const int K = r.top_k, E = b.E;
+  const std::int64_t N = b.N;
+  const int P = Router::num_penalties > 0 ? Router::num_penalties : 1;
+  std::vector<float> grad_gates(N * K);
+  for (std::size_t i = 0; i < grad_gates.size(); ++i) grad_gates[i] = static_cast<float>(static_cast<int>(i % 13) - 6) / 4.0f;
+  std::vector<float> upstream = {1.5f, 0.5f, 2.0f, 1.0f, 0.75f};
+  const std::size_t bytes = pen::training_workspace_bytes(r, N, E, b.num_sequences);
+
+  // The CPU backend.
+  std::vector<std::int32_t> cpu_idx(N * K);
+  std::vector<float> cpu_gates(N * K), cpu_dz(N * E);
+  std::vector<double> cpu_values(P);
+  std::vector<unsigned char> cpu_ws(bytes);
+  std::int64_t cpu_nonfinite = 0;
+  mr::route_outputs o;
+  o.indices = cpu_idx.data();
+  o.gates = cpu_gates.data();
+  o.nonfinite_rows = &cpu_nonfinite;
+  o.penalty_values = cpu_values.data();
+  o.workspace = cpu_ws.data();
+  o.workspace_bytes = bytes;
+  mr::cpu::route(r, in, o);
+  mr::backward_args a;
+  a.indices = cpu_idx.data();
+  a.grad_gates = grad_gates.data();
+  a.grad_logits = cpu_dz.data();
+  a.workspace = cpu_ws.data();
+  a.workspace_bytes = bytes;
+  a.penalty_grads = upstream.data();
+  mr::cpu::backward(r, in, a);
+
+  // The device path under the emulator.
+  const auto layout = pen::training_layout<Router>(N, E, b.num_sequences);
+  std::vector<std::uint64_t> ws_storage((layout.bytes + 7) / 8 + 1, 0);
+  const pen::switches on = pen::active(r, in);
+  cd::workspace_regions ws(ws_storage.data(), layout);
+  std::vector<std::int32_t> idx(N * K, -7);
+  std::vector<float> gates(N * K, -7.0f), dz(N * E, -7.0f);
+  std::vector<double> values(P, 0.0);
+  auto p = cd::make_training_params(r, in, in.logits, on, &ws);
+  p.indices = idx.data();
+  p.gates = gates.data();
+  std::vector<std::uint64_t> keys(E);
+  std::vector<std::int64_t> sums(E, 0), tokens(2, 0);
+  std::vector<int> counts(E, 0);
+  std::int64_t nonfinite = 0;
+  for (std::int64_t t = 0; t < N; ++t)
+    nonfinite += emu::run<int>([&] {
+      return cd::route_training_row<emu::warp>(r, p, t, keys.data(), sums.data(), counts.data(), tokens.data()) ? 1 : 0;
+    });
+  if constexpr (Router::has_penalties) {
+    constexpr int columns = pen::penalty_traits<Router>::scalar_penalties;
+    if (on.distribution)
+      for (int e = 0; e < E; ++e) {
+        ws.distribution_sums[e] += sums[e];
+        if (p.counting) ws.counts[e] += counts[e];
+      }
+    ws.header->valid_tokens += tokens[0];
+    ws.header->prior_tokens += tokens[1];
+    for (std::int64_t c = 0; c * pen::value_chunk < N; ++c)  // chunk_totals_kernel
+      for (int col = 0; col < columns; ++col) {
+        double total = 0.0;
+        for (std::int64_t t = c * pen::value_chunk; t < std::min(N, (c + 1) * pen::value_chunk); ++t)
+          total += ws.token_values[t * columns + col];
+        ws.chunk_values[c * columns + col] = total;
+      }
+    pen::values(r, ws.state(r, in), values.data());
+  }
+  pen::upstream_grads up;
+  for (int j = 0; j < Router::num_penalties; ++j) up.value[j] = upstream[j];
+  auto q = cd::make_training_params(r, in, in.logits, on, &ws);
+  if constexpr (Router::has_penalties) {
+    const pen::training_state s = ws.state(r, in);
+    if (on.distribution) {  // distribution_grads_kernel
+      const int local = pen::penalty_traits<Router>::locality ? pen::detail::local_experts(s) : 0;
+      for (int e = 0; e < E; ++e) ws.expert_grad[e] = pen::expert_grad(r, s, up, local, e);
+      if (pen::over_sequences(r)) {
+        std::int64_t nonempty = 0;
+        for (std::int32_t c = 0; c < b.num_sequences; ++c) nonempty += ws.sequence_tokens[c] > 0;
+        for (std::int32_t c = 0; c < b.num_sequences; ++c)
+          for (int e = 0; e < E; ++e) ws.sequence_grad[c * E + e] = pen::sequence_grad(r, s, up, nonempty, c, e);
+      }
+    }
+    q.weights = pen::weights(r, *ws.header, up);
+  }
+  q.grad_indices = cpu_idx.data();
+  q.grad_gates = grad_gates.data();
+  q.grad_logits = dz.data();
+  for (std::int64_t t = 0; t < N; ++t) emu::run<int>([&] { cd::backward_training_row<emu::warp>(r, q, t); return 0; });
+
+  CHECK(same_bits(idx, cpu_idx));
+  CHECK(same_bits(gates, cpu_gates));
+  CHECK(nonfinite == cpu_nonfinite);
+  if (Router::has_penalties) CHECK(same_bits(values, cpu_values));
+  CHECK(same_bits(dz, cpu_dz));
+}
+
+}  // namespace
+
+TEST_CASE("emulated CUDA training agents: every prior policy and penalty, bit-identical to the CPU backend") {
+  for (int E : {8, 45, 70}) {
+    CAPTURE(E);
+    const batch b(24, E, 1000 + E);
+    SUBCASE("softmax, log_prior_bias, every penalty") {
+      auto r = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::top_k, 8>{}, pri::log_prior_bias{0.7f},
+                                 pen::load_balance{0.3f}, pen::z_loss{0.01f}, pen::kl_to_base{0.2f}, pen::logit_l2{0.1f},
+                                 pen::locality{0.4f});
+      r.top_k = 3;
+      check_parity(r, b);
+    }
+    SUBCASE("sigmoid + expert bias, gates from z, load balance over sequences") {
+      auto r = mr::with_policies(mr::router<mr::gating::sigmoid, mr::selection::expert_bias, 8>{},
+                                 pri::log_prior_bias{1.5f, false},
+                                 pen::load_balance{0.3f, pen::load_balance::scope::sequence}, pen::kl_to_base{0.2f});
+      r.top_k = 4;
+      check_parity(r, b);
+    }
+    SUBCASE("sqrt_softplus, prior_override, kl_to_base and logit_l2") {
+      auto r = mr::with_policies(mr::router<mr::gating::sqrt_softplus, mr::selection::top_k, 8>{}, pri::prior_override{},
+                                 pen::kl_to_base{0.5f}, pen::logit_l2{0.05f}, pen::z_loss{0.02f});
+      r.top_k = 2;
+      check_parity(r, b);
+    }
+    SUBCASE("softmax_after_topk, global-batch load balance and z-loss") {
+      auto r = mr::with_policies(mr::router<mr::gating::softmax_after_topk, mr::selection::top_k, 4>{},
+                                 pen::load_balance{0.5f, pen::load_balance::scope::global_batch}, pen::z_loss{0.01f});
+      r.top_k = 2;
+      check_parity(r, b);
+    }
+    SUBCASE("fixed selection with prior_override") {
+      auto r = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::fixed, 4>{}, pri::prior_override{});
+      r.top_k = 2;
+      check_parity(r, b);
+    }
+  }
+  SUBCASE("group-limited selection with the prior bias") {
+    auto r = mr::with_policies(mr::presets::deepseek_v3(), pri::log_prior_bias{1.0f}, pen::load_balance{0.2f});
+    check_parity(r, batch(20, 256, 78));
+  }
+}
