@@ -41,6 +41,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include <moe_route/moe_route.hpp>
 
 #ifndef MOE_ROUTE_BENCH_WITH_TORCH
@@ -396,6 +398,8 @@ std::string replace(std::string s, const std::string& from, const std::string& t
 // counters to the library runs before printing them.
 class ratio_reporter : public benchmark::ConsoleReporter {
  public:
+  // Colour only on a terminal (a custom reporter does not follow --benchmark_color).
+  ratio_reporter() : ConsoleReporter(isatty(STDOUT_FILENO) ? OO_ColorTabular : OO_Tabular) {}
   std::map<std::string, double> best;  // seconds per iteration (CPU for t1, wall otherwise)
 
   static double time_of(const Run& run) {
