@@ -8,3 +8,4 @@
 #include "backend/cuda/admission.cuh"
 #include "backend/cuda/expert_choice.cuh"
 #include "backend/cuda/dispatch_metadata.cuh"
+#include "backend/cuda/prior_build.cuh"

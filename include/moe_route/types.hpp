@@ -138,6 +138,13 @@ struct backward_args {
   const float* grad_gates = nullptr;      // [N x K] dL/dgates
   float* grad_logits = nullptr;           // [N x E] dL/dz, overwritten
 
+  // Admitted gates (cpu::admit / cuda::admit): `indices` are then the routed
+  // indices and these the admitted ones (-1 = dropped, another expert =
+  // rerouted); the gradient follows admission/gates.hpp. renormalize is the
+  // admission policy's (drop with renormalisation).
+  const std::int32_t* admitted_indices = nullptr;  // [N x K] or null: gates as routed
+  bool renormalize = false;
+
   // Routers with penalties: the workspace the forward filled, and the upstream
   // gradient of each penalty value (host memory, router's penalty order;
   // null means 1 for every penalty).

@@ -732,3 +732,44 @@ TEST_CASE("conditions: RPB Table 1 routers from any base router") {
   CHECK(plain_run.idx == rpb_run.idx);
   CHECK(std::memcmp(plain_run.dz.data(), rpb_run.dz.data(), plain_run.dz.size() * 4) == 0);
 }
+
+TEST_CASE("admitted gates: the backward adds the penalties' gradients to the admitted gate gradient") {
+  ref::rng g(21);
+  const batch b = make_batch(g, 80, 16, 4);
+  const int K = 3;
+  const auto base = base_router<mr::gating::softmax>(K);
+  const auto r = mr::with_policies(base, pen::z_loss{0.05f}, pen::kl_to_base{0.3f});
+  std::vector<float> c(b.N * K);
+  for (auto& x : c) x = static_cast<float>(g.normal());
+  const auto routed = run_lib(r, b, c, {});  // forward: indices, workspace; dz without admission
+  const auto plain_routed = run_lib(base, b, c, {});
+  // Admitted indices: drop every third slot, keep the others.
+  std::vector<std::int32_t> admitted = routed.idx;
+  for (std::size_t i = 0; i < admitted.size(); i += 3) admitted[i] = -1;
+  const auto backward = [&](const auto& router, const std::vector<unsigned char>& ws_in) {
+    auto ws = ws_in;
+    std::vector<float> dz(b.N * b.E);
+    mr::backward_args a;
+    a.indices = routed.idx.data();
+    a.admitted_indices = admitted.data();
+    a.renormalize = true;
+    a.grad_gates = c.data();
+    a.grad_logits = dz.data();
+    a.workspace = ws.data();
+    a.workspace_bytes = ws.size();
+    mr::cpu::backward(router, b.inputs(), a);
+    return dz;
+  };
+  const auto with_penalties = backward(r, routed.workspace);
+  const auto gates_only = backward(base, routed.workspace);
+  double scale = 0;
+  for (float x : routed.dz) scale = std::max(scale, std::fabs(static_cast<double>(x)));
+  int bad = 0;
+  for (std::size_t i = 0; i < with_penalties.size(); ++i) {
+    const double penalty_part = static_cast<double>(routed.dz[i]) - plain_routed.dz[i];
+    bad += !ref::close(with_penalties[i], gates_only[i] + penalty_part, 1e-4, 1e-6 * scale);
+  }
+  CHECK(bad == 0);
+  // and the admitted gate gradient differs from the routed one where slots were dropped
+  CHECK(std::memcmp(gates_only.data(), plain_routed.dz.data(), gates_only.size() * 4) != 0);
+}

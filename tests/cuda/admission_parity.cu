@@ -184,6 +184,21 @@ void check_admit(const Router& r, const Policy& p, const batch& b, const char* w
     CHECK(same_bits(dgates.download(), cgates));
     CHECK(same_report(drep.download()[0], crep));
   }
+  // Backward of the admitted gates: cuda::backward with admitted_indices == cpu::admission_backward.
+  {
+    std::vector<float> dg(slots), cdz(b.N * b.E);
+    for (std::int64_t i = 0; i < slots; ++i) dg[i] = static_cast<float>(static_cast<int>(i % 11) - 5) / 4.0f;
+    const mr::route_inputs<float> rin{b.z.data(), b.N, b.E, b.bias.data()};
+    mr::cpu::admission_backward(r, p, rin, mr::admission_backward_args{b.routed.data(), cidx.data(), dg.data(), cdz.data()});
+    device_vector<float> ddg(dg), ddz(b.N * b.E), dbias(b.bias);
+    device_vector<std::int32_t> dadmitted(cidx);
+    mr::backward_args args{routed.get(), ddg.get(), ddz.get()};
+    args.admitted_indices = dadmitted.get();
+    args.renormalize = mr::admission::renormalizes(p);
+    mr::cuda::backward(r, mr::route_inputs<float>{z.get(), b.N, b.E, dbias.get()}, args, stream);
+    cuda_ok(cudaStreamSynchronize(stream), "backward");
+    CHECK(same_bits(ddz.download(), cdz));
+  }
   cudaStreamDestroy(stream);
   // Dispatch of the admitted result, with padding and ranks.
   for (int align : {1, 8}) {

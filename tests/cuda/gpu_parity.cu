@@ -787,3 +787,173 @@ int main(int argc, char** argv) {
   doctest::Context context(argc, argv);
   return context.run();
 }
+
+// ---------------------------------------------------------------- training policies
+
+namespace {
+
+struct training_data {
+  std::vector<float> bias, probs, fractions;
+  std::vector<std::int32_t> rows, sequences, ranks;
+  std::int64_t S = 6;
+  std::int32_t num_sequences = 4;
+};
+
+training_data make_training_data(std::mt19937& g, std::int64_t N, int E) {
+  training_data d;
+  std::uniform_int_distribution<int> u(1, 1000);
+  std::vector<float> pi(d.S * E);
+  for (auto& p : pi) p = u(g) / 1000.0f;
+  d.bias.resize(d.S * E);
+  d.probs.resize(d.S * E);
+  mr::prior::prepare(pi.data(), d.S, E, d.bias.data(), d.probs.data());
+  d.rows.resize(N);
+  for (auto& r : d.rows) r = static_cast<std::int32_t>(u(g) % (d.S + 1)) - 1;
+  d.sequences.resize(N);
+  for (std::int64_t t = 0; t < N; ++t) d.sequences[t] = static_cast<std::int32_t>(t * d.num_sequences / N);
+  d.fractions.assign(E, 1.0f / E);
+  d.ranks.resize(E);
+  for (int e = 0; e < E; ++e) d.ranks[e] = e % 4;
+  return d;
+}
+
+template <class T>
+mr::route_inputs<T> training_inputs(const T* z, std::int64_t N, int E, const float* expert_bias, const float* bias,
+                                    const float* probs, const std::int32_t* rows, const std::int32_t* sequences,
+                                    const float* fractions, const std::int32_t* ranks, const training_data& d) {
+  mr::route_inputs<T> in{z, N, E, expert_bias};
+  in.prior_bias = bias;
+  in.prior_probs = probs;
+  in.prior_rows = d.S;
+  in.token_prior_row = rows;
+  in.sequence_ids = sequences;
+  in.num_sequences = d.num_sequences;
+  in.load_fractions = fractions;
+  in.expert_rank = ranks;
+  in.rank = 1;
+  return in;
+}
+
+// cpu:: and cuda:: forward and backward of a router with training policies:
+// identical indices, gates, penalty values and dL/dz.
+template <class Router>
+void check_training_parity(const Router& r, int E, std::int64_t N, std::mt19937& g, cudaStream_t stream) {
+  CAPTURE(E);
+  CAPTURE(N);
+  const int K = r.top_k;
+  const int P = Router::num_penalties > 0 ? Router::num_penalties : 1;
+  const std::size_t nk = static_cast<std::size_t>(N) * K, ne = static_cast<std::size_t>(N) * E;
+  const auto z = make_logits<float>(g, N, E);
+  const auto expert_bias = make_bias(g, E);
+  const training_data d = make_training_data(g, N, E);
+  const std::size_t bytes = mr::penalty::training_workspace_bytes(r, N, E, d.num_sequences);
+  const std::vector<float> upstream = {1.5f, 0.5f, 2.0f, 1.0f, 0.75f};
+  const auto grad = make_grad(g, nk);
+
+  const auto host_in = training_inputs(z.data(), N, E, expert_bias.data(), d.bias.data(), d.probs.data(),
+                                       d.rows.data(), d.sequences.data(), d.fractions.data(), d.ranks.data(), d);
+  std::vector<std::int32_t> cpu_idx(nk);
+  std::vector<float> cpu_gates(nk), cpu_dz(ne);
+  std::vector<double> cpu_values(P);
+  std::vector<unsigned char> cpu_ws(bytes);
+  mr::route_outputs ho{cpu_idx.data(), cpu_gates.data()};
+  ho.penalty_values = cpu_values.data();
+  ho.workspace = cpu_ws.data();
+  ho.workspace_bytes = bytes;
+  mr::cpu::route(r, host_in, ho, mr::cpu::execution{0});
+  mr::backward_args hb{cpu_idx.data(), grad.data(), cpu_dz.data()};
+  hb.workspace = cpu_ws.data();
+  hb.workspace_bytes = bytes;
+  hb.penalty_grads = upstream.data();
+  mr::cpu::backward(r, host_in, hb, mr::cpu::execution{0});
+
+  device_buffer<float> dz_in(z), debias(expert_bias), dbias(d.bias), dprobs(d.probs), dfrac(d.fractions);
+  device_buffer<std::int32_t> drows(d.rows), dseq(d.sequences), dranks(d.ranks);
+  device_buffer<std::int32_t> didx(nk);
+  device_buffer<float> dgates(nk), ddz(ne);
+  device_buffer<double> dvalues(P);
+  device_buffer<unsigned char> dws(bytes);
+  didx.poison();
+  dgates.poison();
+  ddz.poison();
+  const auto dev_in = training_inputs(dz_in.get(), N, E, debias.get(), dbias.get(), dprobs.get(), drows.get(),
+                                      dseq.get(), dfrac.get(), dranks.get(), d);
+  mr::route_outputs o{didx.get(), dgates.get()};
+  o.penalty_values = dvalues.get();
+  o.workspace = dws.get();
+  o.workspace_bytes = bytes;
+  mr::cuda::route(r, dev_in, o, stream);
+  mr::backward_args b{didx.get(), nullptr, ddz.get()};
+  device_buffer<float> dgrad(grad);
+  b.grad_gates = dgrad.get();
+  b.workspace = dws.get();
+  b.workspace_bytes = bytes;
+  b.penalty_grads = upstream.data();
+  mr::cuda::backward(r, dev_in, b, stream);
+  CUDA_REQUIRE(cudaStreamSynchronize(stream));
+  CHECK_MESSAGE(same_bits(didx.to_host(), cpu_idx), "indices differ");
+  CHECK_MESSAGE(same_bits(dgates.to_host(), cpu_gates), "gates differ");
+  if (Router::has_penalties) CHECK_MESSAGE(same_bits(dvalues.to_host(), cpu_values), "penalty values differ");
+  const auto gpu_dz = ddz.to_host();
+  CHECK_MESSAGE(same_bits(gpu_dz, cpu_dz), "grad_logits differ first at " << first_difference(gpu_dz, cpu_dz));
+}
+
+}  // namespace
+
+GPU_TEST_CASE("training policies: prior and penalties, cuda equals cpu bit for bit") {
+  std::mt19937 g(4242);
+  stream_guard stream;
+  namespace pen = mr::penalty;
+  namespace pri = mr::prior;
+  for (int E : {16, 64, 256, 1000}) {
+    for (std::int64_t N : {1, 333, 5000}) {
+      auto all = mr::with_policies(mr::router<gat::softmax, sel::top_k, 8>{}, pri::log_prior_bias{0.8f},
+                                   pen::load_balance{0.3f}, pen::z_loss{0.01f}, pen::kl_to_base{0.2f},
+                                   pen::logit_l2{0.1f}, pen::locality{0.4f});
+      all.top_k = 6;
+      check_training_parity(all, E, N, g, stream.get());
+      auto seq = mr::with_policies(mr::router<gat::sigmoid, sel::expert_bias, 8>{}, pri::log_prior_bias{1.5f, false},
+                                   pen::load_balance{0.3f, pen::load_balance::scope::sequence}, pen::kl_to_base{0.2f});
+      seq.top_k = 4;
+      check_training_parity(seq, E, N, g, stream.get());
+      auto hard = mr::with_policies(mr::router<gat::sqrt_softplus, sel::top_k, 8>{}, pri::prior_override{},
+                                    pen::logit_l2{0.05f}, pen::z_loss{0.02f});
+      hard.top_k = 2;
+      check_training_parity(hard, E, N, g, stream.get());
+      auto global = mr::with_policies(mr::router<gat::softmax_after_topk, sel::top_k, 4>{},
+                                      pen::load_balance{0.5f, pen::load_balance::scope::global_batch});
+      global.top_k = 2;
+      check_training_parity(global, E, N, g, stream.get());
+    }
+  }
+  check_training_parity(mr::with_policies(mr::presets::deepseek_v3(), pri::log_prior_bias{1.0f}, pen::load_balance{0.2f}),
+                        256, 4096, g, stream.get());
+}
+
+GPU_TEST_CASE("prior builder: cuda::prior::build equals prior::build bit for bit") {
+  std::mt19937 g(99);
+  stream_guard stream;
+  for (int E : {8, 64, 300}) {
+    const std::int64_t N = 3000, S = 17;
+    const auto z = make_logits<float>(g, N, E);
+    std::vector<std::int32_t> rows(N);
+    for (auto& r : rows) r = static_cast<std::int32_t>(g() % (S + 1)) - 1;
+    rows[0] = static_cast<std::int32_t>(S - 1);
+    std::vector<float> cpu(S * E);
+    const auto report = mr::prior::build<gat::sigmoid>(mr::route_inputs<float>{z.data(), N, E}, rows.data(), S, cpu.data());
+    device_buffer<float> dz(z), dprior(S * E);
+    device_buffer<std::int32_t> drows(rows);
+    device_buffer<std::int64_t> dtokens(S);
+    device_buffer<unsigned char> dws(mr::cuda::prior::build_workspace_bytes(S, E));
+    mr::cuda::prior::build<gat::sigmoid>(mr::route_inputs<float>{dz.get(), N, E}, drows.get(), S, dprior.get(),
+                                         dtokens.get(), dws.get(), mr::cuda::prior::build_workspace_bytes(S, E),
+                                         stream.get());
+    CUDA_REQUIRE(cudaStreamSynchronize(stream.get()));
+    CHECK(same_bits(dprior.to_host(), cpu));
+    const auto tokens = dtokens.to_host();
+    std::int64_t used = 0, empty = 0;
+    for (auto c : tokens) used += c, empty += c == 0;
+    CHECK(used == report.tokens_used);
+    CHECK(empty == static_cast<std::int64_t>(report.empty_rows.size()));
+  }
+}

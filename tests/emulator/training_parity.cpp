@@ -5,6 +5,7 @@
 // replayed here with the same shared arithmetic (penalty/finalize.hpp).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -12,6 +13,7 @@
 
 #include "warp_emulator.hpp"
 #include <moe_route/moe_route.hpp>
+#include <moe_route/backend/cuda/agent_prior.cuh>
 #include <moe_route/backend/cuda/agent_training.cuh>
 
 namespace mr = moe_route;
@@ -79,8 +81,32 @@ bool same_bits(const std::vector<V>& a, const std::vector<V>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(V)) == 0;
 }
 
+// Admitted indices for routed ones: slot j of token t kept, dropped or
+// rerouted to an expert the token does not hold, in a fixed pattern.
+std::vector<std::int32_t> admit_pattern(const std::vector<std::int32_t>& routed, std::int64_t N, int K, int E) {
+  std::vector<std::int32_t> admitted = routed;
+  for (std::int64_t t = 0; t < N; ++t) {
+    std::int32_t* a = admitted.data() + t * K;
+    const std::int32_t* r = routed.data() + t * K;
+    for (int j = 0; j < K; ++j) {
+      const int kind = static_cast<int>((t * 7 + j * 3) % 4);
+      if (kind == 1) a[j] = -1;
+      if (kind == 2 && K < E) {
+        for (int e = 0; e < E; ++e) {
+          const bool held = std::find(r, r + K, e) != r + K || std::find(a, a + K, e) != a + K;
+          if (!held) {
+            a[j] = e;
+            break;
+          }
+        }
+      }
+    }
+  }
+  return admitted;
+}
+
 template <class Router>
-void check_parity(const Router& r, const batch& b) {
+void check_parity(const Router& r, const batch& b, bool admitted_gates = false, bool renormalize = false) {
   const auto in = b.inputs();
   const int K = r.top_k, E = b.E;
   const std::int64_t N = b.N;
@@ -104,7 +130,11 @@ void check_parity(const Router& r, const batch& b) {
   o.workspace = cpu_ws.data();
   o.workspace_bytes = bytes;
   mr::cpu::route(r, in, o);
+  const std::vector<std::int32_t> admitted =
+      admitted_gates ? admit_pattern(cpu_idx, N, K, E) : std::vector<std::int32_t>{};
   mr::backward_args a;
+  a.admitted_indices = admitted_gates ? admitted.data() : nullptr;
+  a.renormalize = renormalize;
   a.indices = cpu_idx.data();
   a.grad_gates = grad_gates.data();
   a.grad_logits = cpu_dz.data();
@@ -117,7 +147,7 @@ void check_parity(const Router& r, const batch& b) {
   const auto layout = pen::training_layout<Router>(N, E, b.num_sequences);
   std::vector<std::uint64_t> ws_storage((layout.bytes + 7) / 8 + 1, 0);
   const pen::switches on = pen::active(r, in);
-  cd::workspace_regions ws(ws_storage.data(), layout);
+  pen::workspace_view ws(ws_storage.data(), layout);
   std::vector<std::int32_t> idx(N * K, -7);
   std::vector<float> gates(N * K, -7.0f), dz(N * E, -7.0f);
   std::vector<double> values(P, 0.0);
@@ -167,6 +197,8 @@ void check_parity(const Router& r, const batch& b) {
     }
     q.weights = pen::weights(r, *ws.header, up);
   }
+  q.admitted_indices = admitted_gates ? admitted.data() : nullptr;
+  q.renormalize = renormalize;
   q.grad_indices = cpu_idx.data();
   q.grad_gates = grad_gates.data();
   q.grad_logits = dz.data();
@@ -211,6 +243,25 @@ TEST_CASE("emulated CUDA training agents: every prior policy and penalty, bit-id
       r.top_k = 2;
       check_parity(r, b);
     }
+    SUBCASE("admitted gates: plain router, with renormalisation") {
+      mr::router<mr::gating::softmax, mr::selection::top_k, 8> r;
+      r.top_k = 4;
+      r.normalize = true;
+      check_parity(r, b, true, true);
+    }
+    SUBCASE("admitted gates under the prior and penalties, every gating") {
+      auto soft = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::top_k, 8>{}, pri::log_prior_bias{0.7f},
+                                    pen::load_balance{0.3f}, pen::z_loss{0.01f});
+      soft.top_k = 3;
+      check_parity(soft, b, true, false);
+      auto sig = mr::with_policies(mr::router<mr::gating::sigmoid, mr::selection::top_k, 8>{}, pen::kl_to_base{0.2f});
+      sig.top_k = 3;
+      check_parity(sig, b, true, true);
+      auto satk = mr::with_policies(mr::router<mr::gating::softmax_after_topk, mr::selection::top_k, 4>{},
+                                    pri::prior_override{});
+      satk.top_k = 2;
+      check_parity(satk, b, true, false);
+    }
     SUBCASE("fixed selection with prior_override") {
       auto r = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::fixed, 4>{}, pri::prior_override{});
       r.top_k = 2;
@@ -220,5 +271,21 @@ TEST_CASE("emulated CUDA training agents: every prior policy and penalty, bit-id
   SUBCASE("group-limited selection with the prior bias") {
     auto r = mr::with_policies(mr::presets::deepseek_v3(), pri::log_prior_bias{1.0f}, pen::load_balance{0.2f});
     check_parity(r, batch(20, 256, 78));
+  }
+}
+
+TEST_CASE("emulated CUDA prior builder: bit-identical to prior::build") {
+  for (int E : {8, 45, 130}) {
+    const batch b(60, E, 300 + E);
+    const std::int64_t S = b.S;
+    std::vector<float> cpu(S * E);
+    mr::prior::build<mr::gating::softmax>(b.inputs(), b.rows.data(), S, cpu.data());
+    std::vector<std::int64_t> sums(S * E, 0), tokens(S, 0);
+    const cd::prior_build_params<float> p{b.z.data(), b.N, E, b.rows.data(), S, sums.data(), tokens.data()};
+    for (std::int64_t t = 0; t < b.N; ++t)
+      emu::run<int>([&] { cd::build_prior_row<emu::warp, mr::gating::softmax>(p, t); return 0; });
+    std::vector<float> device(S * E);
+    for (std::int64_t i = 0; i < S * E; ++i) device[i] = mr::prior::fixed_point_mean(sums[i], tokens[i / E]);
+    CHECK(same_bits(device, cpu));
   }
 }

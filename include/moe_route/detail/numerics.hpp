@@ -55,6 +55,14 @@ MOE_ROUTE_HD float fma(float a, float b, float c) {
 #endif
 }
 
+MOE_ROUTE_HD double fma(double a, double b, double c) {
+#if defined(__CUDA_ARCH__)
+  return __fma_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
 // IEEE division and square root even if a translation unit is built with
 // approximate division (nvcc -prec-div=false).
 MOE_ROUTE_HD float div(float a, float b) {

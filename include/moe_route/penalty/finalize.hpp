@@ -53,6 +53,34 @@ struct training_state {
   std::int32_t rank = 0;
 };
 
+// Typed pointers into a workspace laid out by training_layout (null where a
+// region is absent), and the training_state the shared arithmetic reads.
+struct workspace_view {
+  workspace_header* header = nullptr;
+  std::int64_t *distribution_sums = nullptr, *counts = nullptr, *sequence_sums = nullptr,
+               *sequence_counts = nullptr, *sequence_tokens = nullptr;
+  double *token_values = nullptr, *chunk_values = nullptr;
+  float *expert_grad = nullptr, *sequence_grad = nullptr;
+
+  workspace_view(void* base, const workspace_layout& l) {
+    auto* bytes = static_cast<unsigned char*>(base);
+    const auto at = [bytes](std::size_t offset) -> void* { return offset == 0 ? nullptr : bytes + offset; };
+    header = static_cast<workspace_header*>(base);
+    distribution_sums = static_cast<std::int64_t*>(at(l.distribution_sums));
+    counts = static_cast<std::int64_t*>(at(l.counts));
+    sequence_sums = static_cast<std::int64_t*>(at(l.sequence_sums));
+    sequence_counts = static_cast<std::int64_t*>(at(l.sequence_counts));
+    sequence_tokens = static_cast<std::int64_t*>(at(l.sequence_tokens));
+    token_values = static_cast<double*>(at(l.token_values));
+    chunk_values = static_cast<double*>(at(l.chunk_values));
+    expert_grad = static_cast<float*>(at(l.expert_grad));
+    sequence_grad = static_cast<float*>(at(l.sequence_grad));
+  }
+
+  template <class Router, class T>
+  training_state state(const Router& r, const route_inputs<T>& in) const;
+};
+
 // Upstream gradients of the penalty values, router order (1 by default).
 struct upstream_grads {
   float value[8] = {1, 1, 1, 1, 1, 1, 1, 1};
@@ -60,13 +88,7 @@ struct upstream_grads {
 
 namespace detail {
 
-MOE_ROUTE_HD double fma(double a, double b, double c) {
-#if defined(__CUDA_ARCH__)
-  return __fma_rn(a, b, c);
-#else
-  return std::fma(a, b, c);
-#endif
-}
+using moe_route::detail::fma;
 
 MOE_ROUTE_HD double mean_of(std::int64_t fixed_sum, double tokens) {
   return static_cast<double>(fixed_sum) / fixed_point_scale / tokens;
@@ -106,6 +128,26 @@ MOE_ROUTE_HD double load_fraction(const Router& r, const training_state& s, int 
 }
 
 }  // namespace detail
+
+template <class Router, class T>
+training_state workspace_view::state(const Router& r, const route_inputs<T>& in) const {
+  training_state s;
+  s.header = header;
+  s.distribution_sums = distribution_sums;
+  s.counts = counts;
+  s.sequence_sums = sequence_sums;
+  s.sequence_counts = sequence_counts;
+  s.sequence_tokens = sequence_tokens;
+  s.chunk_values = chunk_values;
+  s.chunks = (in.num_tokens + value_chunk - 1) / value_chunk;
+  s.num_experts = in.num_experts;
+  s.top_k = r.top_k;
+  s.num_sequences = in.num_sequences;
+  s.load_fractions = in.load_fractions;
+  s.expert_rank = in.expert_rank;
+  s.rank = in.rank;
+  return s;
+}
 
 template <class Router>
 MOE_ROUTE_HD bool over_sequences(const Router& r) {

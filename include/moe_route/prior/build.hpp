@@ -8,10 +8,17 @@
 #include "../backend/cpu/distribution.hpp"
 #include "../detail/numerics.hpp"
 #include "../gating/gating.hpp"
+#include "../penalty/workspace.hpp"
 #include "../types.hpp"
 #include "../validate.hpp"
 
 namespace moe_route::prior {
+
+// The mean of `count` fixed-point terms as float (0 for no terms).
+MOE_ROUTE_HD float fixed_point_mean(std::int64_t sum, std::int64_t count) {
+  return count > 0 ? static_cast<float>(static_cast<double>(sum) / penalty::fixed_point_scale / static_cast<double>(count))
+                   : 0.0f;
+}
 
 struct build_report {
   std::int64_t tokens_used = 0;             // tokens with a prior row (r(t) >= 0)
@@ -23,8 +30,10 @@ struct build_report {
 // (softmax for the RPB paper's models). rows[t] = -1 leaves token t out
 // (padding, system tokens). Rows that receive no token are written as zeros
 // and listed in the report; prior::prepare rejects them, so an empty row can
-// never silently become a uniform prior. Each row's mean is accumulated in
-// double in token order: deterministic.
+// never silently become a uniform prior. Each row's sum is accumulated in
+// 64-bit fixed point (units of 2^-32, as the penalties' sums), so the order of
+// the tokens does not matter and the CUDA builder (cuda::prior::build) gives
+// the same bits; the mean is taken in double and stored as float.
 template <class Gating, class T>
 build_report build(const route_inputs<T>& base, const std::int32_t* rows, std::int64_t num_rows, float* prior) {
   static_assert(gating::is_gating<Gating>, "prior::build<Gating>: Gating must be a policy from moe_route::gating");
@@ -42,7 +51,7 @@ build_report build(const route_inputs<T>& base, const std::int32_t* rows, std::i
       moe_route::detail::fail("prior_rows[" + std::to_string(t) + "] (= " + std::to_string(rows[t]) +
                               ") must be -1 or in [0, S = " + std::to_string(num_rows) + ")");
 
-  std::vector<double> sums(static_cast<std::size_t>(num_rows) * e_count, 0.0);
+  std::vector<std::int64_t> sums(static_cast<std::size_t>(num_rows) * e_count, 0);
   std::vector<std::int64_t> counts(num_rows, 0);
   std::vector<float> v(e_count), p(e_count);
   build_report report;
@@ -52,15 +61,15 @@ build_report build(const route_inputs<T>& base, const std::int32_t* rows, std::i
     for (int e = 0; e < e_count; ++e)
       v[e] = moe_route::detail::sanitize(moe_route::detail::to_float(base.logits[t * e_count + e]));
     cpu::detail::distribution<Gating>(v.data(), e_count, p.data());
-    double* acc = sums.data() + static_cast<std::size_t>(r) * e_count;
-    for (int e = 0; e < e_count; ++e) acc[e] += p[e];
+    std::int64_t* acc = sums.data() + static_cast<std::size_t>(r) * e_count;
+    for (int e = 0; e < e_count; ++e) acc[e] += penalty::to_fixed_point(p[e]);
     ++counts[r];
     ++report.tokens_used;
   }
   for (std::int64_t r = 0; r < num_rows; ++r) {
     if (counts[r] == 0) report.empty_rows.push_back(r);
     for (int e = 0; e < e_count; ++e)
-      prior[r * e_count + e] = counts[r] ? static_cast<float>(sums[r * e_count + e] / counts[r]) : 0.0f;
+      prior[r * e_count + e] = fixed_point_mean(sums[r * e_count + e], counts[r]);
   }
   return report;
 }

@@ -374,81 +374,21 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
 // dL/d(admitted gates) [N x K], recomputing everything from the logits, the
 // routed indices and the admitted indices (admission/gates.hpp). For tokens
 // that lost nothing it gives the bits of cpu::backward. The policy supplies
-// renormalize (drop) - nothing else of it is used.
+// renormalize (drop) - nothing else of it is used. It is cpu::backward with
+// backward_args::admitted_indices and renormalize set.
 template <class Router, class Policy, class T>
 void admission_backward(const Router& r, const Policy& p, const route_inputs<T>& in,
                         const admission_backward_args& args, execution ex = {}) {
-  namespace ad = admission_detail;
-  namespace num = moe_route::detail;
-  using namespace moe_route::admission;
-  using G = typename Router::gating_type;
   static_assert(is_router<Router>, "cpu::admission_backward: the first argument must be a moe_route::router");
   admission::detail::validate_policy(p);
-  moe_route::detail::validate_inputs(r, in);
-  const int k = r.top_k;
-  const int e_count = in.num_experts;
-  if (in.num_tokens == 0) return;
-  if (args.routed_indices == nullptr) moe_route::detail::fail("routed_indices is null");
-  if (args.admitted_indices == nullptr) moe_route::detail::fail("admitted_indices is null");
-  if (args.grad_gates == nullptr) moe_route::detail::fail("grad_gates is null");
-  if (args.grad_logits == nullptr) moe_route::detail::fail("grad_logits (output) is null");
-  for (std::int64_t t = 0; t < in.num_tokens; ++t) {
-    const std::int32_t* routed = args.routed_indices + t * k;
-    const std::int32_t* admitted = args.admitted_indices + t * k;
-    for (int j = 0; j < k; ++j) {
-      if (routed[j] < 0 || routed[j] >= e_count)
-        moe_route::detail::fail("routed_indices[" + std::to_string(t * k + j) + "] is not an expert in [0, E)");
-      if (admitted[j] < -1 || admitted[j] >= e_count)
-        moe_route::detail::fail("admitted_indices[" + std::to_string(t * k + j) + "] must be -1 or in [0, E)");
-      if (status_of(routed[j], admitted[j]) == slot_status::rerouted)
-        for (int i = 0; i < k; ++i)
-          if (routed[i] == admitted[j] || (i != j && admitted[i] == admitted[j]))
-            moe_route::detail::fail("admitted_indices: token " + std::to_string(t) + " holds expert " +
-                                    std::to_string(admitted[j]) + " twice (a rerouted slot must get a new expert)");
-    }
-  }
-  const bool renorm = renormalizes(p);
-  ad::parallel_blocks(in.num_tokens, ad::resolve_threads(ex, in.num_tokens, 256),
-                      [&](std::int64_t begin, std::int64_t end, int) {
-    ad::row_buffers buf(e_count);
-    for (std::int64_t t = begin; t < end; ++t) {
-      const std::int32_t* routed = args.routed_indices + t * k;
-      const std::int32_t* admitted = args.admitted_indices + t * k;
-      float* dz = args.grad_logits + t * e_count;
-      ad::sanitized_row(in.logits + t * e_count, e_count, buf.v.data());
-      row_stats st;
-      if constexpr (gate_input_needs_row<G>) st = softmax_row_stats(buf.v.data(), e_count, buf.t.data());
-      float sigma[max_top_k], phi[max_top_k], d_sigma[max_top_k], d_phi[max_top_k];
-      bool rerouted[max_top_k];
-      for (int j = 0; j < k; ++j) {
-        rerouted[j] = status_of(routed[j], admitted[j]) == slot_status::rerouted;
-        sigma[j] = gate_input<G>(buf.v[routed[j]], st);
-        phi[j] = rerouted[j] ? gate_input<G>(buf.v[admitted[j]], st) : 0.0f;
-      }
-      admitted_gate_weights_vjp(r, sigma, phi, routed, admitted, renorm, args.grad_gates + t * k, d_sigma, d_phi, k);
-      if constexpr (G::shape == gating::kind::row_softmax) {
-        float dot = 0.0f;  // <ds, s> over the nonzero entries: routed slots, then rerouted ones
-        for (int j = 0; j < k; ++j) dot = num::fma(d_sigma[j], sigma[j], dot);
-        for (int j = 0; j < k; ++j)
-          if (rerouted[j]) dot = num::fma(d_phi[j], phi[j], dot);
-        for (int e = 0; e < e_count; ++e) dz[e] = gate_input<G>(buf.v[e], st) * -dot;
-        for (int j = 0; j < k; ++j) dz[routed[j]] = sigma[j] * (d_sigma[j] - dot);
-        for (int j = 0; j < k; ++j)
-          if (rerouted[j]) dz[admitted[j]] = phi[j] * (d_phi[j] - dot);
-      } else {
-        for (int e = 0; e < e_count; ++e) dz[e] = 0.0f;
-        for (int j = 0; j < k; ++j) {
-          if constexpr (G::shape == gating::kind::elementwise) {
-            dz[routed[j]] = d_sigma[j] * G::derivative(buf.v[routed[j]], sigma[j]);
-            if (rerouted[j]) dz[admitted[j]] = d_phi[j] * G::derivative(buf.v[admitted[j]], phi[j]);
-          } else {
-            dz[routed[j]] = d_sigma[j];
-            if (rerouted[j]) dz[admitted[j]] = d_phi[j];
-          }
-        }
-      }
-    }
-  });
+  if (in.num_tokens > 0 && args.admitted_indices == nullptr) moe_route::detail::fail("admitted_indices is null");
+  backward_args b;
+  b.indices = args.routed_indices;
+  b.admitted_indices = args.admitted_indices;
+  b.renormalize = admission::renormalizes(p);
+  b.grad_gates = args.grad_gates;
+  b.grad_logits = args.grad_logits;
+  backward(r, in, b, ex);
 }
 
 }  // namespace moe_route::cpu

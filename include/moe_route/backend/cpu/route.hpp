@@ -16,6 +16,8 @@
 #include <immintrin.h>
 #endif
 
+#include "../../admission/gates.hpp"
+#include "../../admission/scores.hpp"
 #include "../../config.hpp"
 #include "../../detail/numerics.hpp"
 #include "../../router.hpp"
@@ -516,6 +518,70 @@ void backward_row(const Router& r, const T* z, int num_experts, const std::int32
   }
 }
 
+// The backward of one token whose gates were admitted (admission/gates.hpp):
+// the gate inputs sigma (routed experts) and phi (rerouted experts) from the
+// sanitised row v, their VJP, then the gating's VJP into dz.
+template <class Router>
+void admitted_backward_row(const Router& r, const float* v, int num_experts, const std::int32_t* routed,
+                           const std::int32_t* admitted, bool renormalize, const float* dg, row_scratch& scratch,
+                           float* dz) {
+  namespace num = moe_route::detail;
+  using namespace moe_route::admission;
+  using G = typename Router::gating_type;
+  const int k = r.top_k;
+  row_stats st;
+  if constexpr (gate_input_needs_row<G>) st = softmax_row_stats(v, num_experts, scratch.t);
+  float sigma[max_top_k] = {}, phi[max_top_k] = {};  // zeroed: silences a GCC -Wmaybe-uninitialized false positive
+  float d_sigma[max_top_k], d_phi[max_top_k];
+  bool rerouted[max_top_k];
+  for (int j = 0; j < k; ++j) {
+    rerouted[j] = status_of(routed[j], admitted[j]) == slot_status::rerouted;
+    sigma[j] = gate_input<G>(v[routed[j]], st);
+    phi[j] = rerouted[j] ? gate_input<G>(v[admitted[j]], st) : 0.0f;
+  }
+  admitted_gate_weights_vjp(r, sigma, phi, routed, admitted, renormalize, dg, d_sigma, d_phi, k);
+  if constexpr (G::shape == gating::kind::row_softmax) {
+    float dot = 0.0f;  // <ds, s> over the nonzero entries: routed slots, then rerouted ones
+    for (int j = 0; j < k; ++j) dot = num::fma(d_sigma[j], sigma[j], dot);
+    for (int j = 0; j < k; ++j)
+      if (rerouted[j]) dot = num::fma(d_phi[j], phi[j], dot);
+    for (int e = 0; e < num_experts; ++e) dz[e] = gate_input<G>(v[e], st) * -dot;
+    for (int j = 0; j < k; ++j) dz[routed[j]] = sigma[j] * (d_sigma[j] - dot);
+    for (int j = 0; j < k; ++j)
+      if (rerouted[j]) dz[admitted[j]] = phi[j] * (d_phi[j] - dot);
+  } else {
+    for (int e = 0; e < num_experts; ++e) dz[e] = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      if constexpr (G::shape == gating::kind::elementwise) {
+        dz[routed[j]] = d_sigma[j] * G::derivative(v[routed[j]], sigma[j]);
+        if (rerouted[j]) dz[admitted[j]] = d_phi[j] * G::derivative(v[admitted[j]], phi[j]);
+      } else {
+        dz[routed[j]] = d_sigma[j];
+        if (rerouted[j]) dz[admitted[j]] = d_phi[j];
+      }
+    }
+  }
+}
+
+// Admitted indices must be -1 or experts, and a rerouted slot must bring the
+// token a new expert.
+inline void validate_admitted(const backward_args& args, std::int64_t num_tokens, int k, int num_experts) {
+  using moe_route::admission::slot_status;
+  for (std::int64_t t = 0; t < num_tokens; ++t) {
+    const std::int32_t* routed = args.indices + t * k;
+    const std::int32_t* admitted = args.admitted_indices + t * k;
+    for (int j = 0; j < k; ++j) {
+      if (admitted[j] < -1 || admitted[j] >= num_experts)
+        moe_route::detail::fail("admitted_indices[" + std::to_string(t * k + j) + "] must be -1 or in [0, E)");
+      if (moe_route::admission::status_of(routed[j], admitted[j]) == slot_status::rerouted)
+        for (int i = 0; i < k; ++i)
+          if (routed[i] == admitted[j] || (i != j && admitted[i] == admitted[j]))
+            moe_route::detail::fail("admitted_indices: token " + std::to_string(t) + " holds expert " +
+                                    std::to_string(admitted[j]) + " twice (a rerouted slot must get a new expert)");
+    }
+  }
+}
+
 // Runs body(begin, end, worker) over contiguous token blocks on up to
 // `threads` threads (the caller's thread included), with one scratch each.
 template <class Body>
@@ -577,7 +643,7 @@ route_report route(const Router& r, const route_inputs<T>& in, const route_outpu
     if (penalties) {
       detail::reduce_partials(partials, *ws, layout, num_experts, in.num_sequences);
       detail::chunk_totals<Router>(*ws, in.num_tokens);
-      penalty::values(r, detail::state_of(r, in, *ws), out.penalty_values);
+      penalty::values(r, ws->state(r, in), out.penalty_values);
     }
   }
   route_report report;
@@ -588,7 +654,10 @@ route_report route(const Router& r, const route_inputs<T>& in, const route_outpu
 
 // Fused backward: dL/dz [N x E] from dL/dgates [N x K] in one pass over the
 // logits, plus the penalties' gradients. The indices must be those the forward
-// wrote for the same inputs, and the workspace the one it filled.
+// wrote for the same inputs, and the workspace the one it filled. With
+// args.admitted_indices the gates are those of admission (cpu::admit) and the
+// gradient follows admission/gates.hpp: dropped slots pass nothing but their
+// share of the normaliser, rerouted ones flow into their new expert's score.
 template <class Router, class T>
 void backward(const Router& r, const route_inputs<T>& in, const backward_args& args, execution ex = {}) {
   static_assert(is_router<Router>, "cpu::backward: the first argument must be a moe_route::router");
@@ -601,6 +670,7 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
     if (args.indices[i] < 0 || args.indices[i] >= num_experts)
       moe_route::detail::fail("indices[" + std::to_string(i) + "] (= " + std::to_string(args.indices[i]) +
                               ") is not an expert in [0, num_experts)");
+  if (args.admitted_indices != nullptr) detail::validate_admitted(args, in.num_tokens, k, num_experts);
   const penalty::switches on = penalty::active(r, in);
   const bool penalties = Router::has_penalties && on.any() && in.num_tokens > 0;
   std::optional<detail::workspace_view> ws;
@@ -624,11 +694,20 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
         if (get<prior::log_prior_bias>(r).bias_gates && detail::prior_active(r, in, t)) {
           const float* b = in.prior_bias + std::int64_t{in.token_prior_row[t]} * num_experts;
           detail::biased_row(z, b, get<prior::log_prior_bias>(r).beta, num_experts, scratch.biased);
-          detail::backward_row(r, scratch.biased, num_experts, args.indices + t * k, args.grad_gates + t * k, scratch, dz);
           biased = true;
         }
       }
-      if (!biased) detail::backward_row(r, z, num_experts, args.indices + t * k, args.grad_gates + t * k, scratch, dz);
+      if (args.admitted_indices != nullptr) {
+        float* v = scratch.v;
+        for (int e = 0; e < num_experts; ++e)
+          v[e] = moe_route::detail::sanitize(biased ? scratch.biased[e] : moe_route::detail::to_float(z[e]));
+        detail::admitted_backward_row(r, v, num_experts, args.indices + t * k, args.admitted_indices + t * k,
+                                      args.renormalize, args.grad_gates + t * k, scratch, dz);
+      } else if (biased) {
+        detail::backward_row(r, scratch.biased, num_experts, args.indices + t * k, args.grad_gates + t * k, scratch, dz);
+      } else {
+        detail::backward_row(r, z, num_experts, args.indices + t * k, args.grad_gates + t * k, scratch, dz);
+      }
       if constexpr (Router::has_penalties)
         if (penalties) detail::penalty_backward_row(r, in, on, weights, *ws, t, scratch.penalties, dz);
     }

@@ -207,34 +207,7 @@ struct penalty_partials {
   std::vector<std::int64_t> distribution_sums, counts, sequence_sums, sequence_counts, sequence_tokens;
 };
 
-// Typed views of the workspace regions.
-struct workspace_view {
-  penalty::workspace_header* header;
-  std::int64_t* distribution_sums;
-  std::int64_t* counts;
-  std::int64_t* sequence_sums;
-  std::int64_t* sequence_counts;
-  std::int64_t* sequence_tokens;
-  double* token_values;
-  double* chunk_values;
-  float* expert_grad;
-  float* sequence_grad;
-
-  workspace_view(void* base, const penalty::workspace_layout& l) {
-    auto* bytes = static_cast<unsigned char*>(base);
-    const auto at = [bytes](std::size_t offset) -> void* { return offset == 0 ? nullptr : bytes + offset; };
-    header = static_cast<penalty::workspace_header*>(base);
-    distribution_sums = static_cast<std::int64_t*>(at(l.distribution_sums));
-    counts = static_cast<std::int64_t*>(at(l.counts));
-    sequence_sums = static_cast<std::int64_t*>(at(l.sequence_sums));
-    sequence_counts = static_cast<std::int64_t*>(at(l.sequence_counts));
-    sequence_tokens = static_cast<std::int64_t*>(at(l.sequence_tokens));
-    token_values = static_cast<double*>(at(l.token_values));
-    chunk_values = static_cast<double*>(at(l.chunk_values));
-    expert_grad = static_cast<float*>(at(l.expert_grad));
-    sequence_grad = static_cast<float*>(at(l.sequence_grad));
-  }
-};
+using penalty::workspace_view;
 
 template <class Router>
 bool counts_selections(const Router& r) {
@@ -347,26 +320,6 @@ void chunk_totals(const workspace_view& ws, std::int64_t num_tokens) {
   }
 }
 
-template <class Router, class T>
-penalty::training_state state_of(const Router& r, const route_inputs<T>& in, const workspace_view& ws) {
-  penalty::training_state s;
-  s.header = ws.header;
-  s.distribution_sums = ws.distribution_sums;
-  s.counts = ws.counts;
-  s.sequence_sums = ws.sequence_sums;
-  s.sequence_counts = ws.sequence_counts;
-  s.sequence_tokens = ws.sequence_tokens;
-  s.chunk_values = ws.chunk_values;
-  s.chunks = (in.num_tokens + penalty::value_chunk - 1) / penalty::value_chunk;
-  s.num_experts = in.num_experts;
-  s.top_k = r.top_k;
-  s.num_sequences = in.num_sequences;
-  s.load_fractions = in.load_fractions;
-  s.expert_rank = in.expert_rank;
-  s.rank = in.rank;
-  return s;
-}
-
 template <class Router>
 penalty::upstream_grads upstream_of(const backward_args& args) {
   static_assert(Router::num_penalties <= 8, "at most 8 penalties");
@@ -380,7 +333,7 @@ penalty::upstream_grads upstream_of(const backward_args& args) {
 template <class Router, class T>
 void distribution_grads(const Router& r, const route_inputs<T>& in, const penalty::upstream_grads& up,
                         const workspace_view& ws) {
-  const penalty::training_state s = state_of(r, in, ws);
+  const penalty::training_state s = ws.state(r, in);
   const int E = in.num_experts;
   const int local = penalty::penalty_traits<Router>::locality ? penalty::detail::local_experts(s) : 0;
   for (int e = 0; e < E; ++e) ws.expert_grad[e] = penalty::expert_grad(r, s, up, local, e);

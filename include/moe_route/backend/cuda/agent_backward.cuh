@@ -37,14 +37,14 @@ struct selected_grad {
   float dot;      // row_softmax: <dsel, s> over the valid selected entries
 };
 
-template <class W, class Router, class T>
-MOE_ROUTE_CUDA_DEVICE selected_grad backward_selected(const Router& r, const backward_params<T>& p,
-                                                      std::int64_t token, const T* z, float row_max,
-                                                      float row_sum) {
+// `logit(e)` is the sanitised logit of expert e in the row the gates came from.
+template <class W, class Router, class Logit>
+MOE_ROUTE_CUDA_DEVICE selected_grad backward_selected(const Router& r, const std::int32_t* indices,
+                                                      const float* grad_gates, int E, std::int64_t token,
+                                                      Logit logit, float row_max, float row_sum) {
   using G = typename Router::gating_type;
   const int lane = W::lane();
   const int k = r.top_k;
-  const int E = p.num_experts;
 
   int expert = -1;
   float dw = 0.0f, v = 0.0f;
@@ -52,11 +52,11 @@ MOE_ROUTE_CUDA_DEVICE selected_grad backward_selected(const Router& r, const bac
   bool valid = false;
   if (lane < k) {
     const std::int64_t o = token * k + lane;
-    expert = W::load(p.indices + o);
-    dw = W::load(p.grad_gates + o);
+    expert = W::load(indices + o);
+    dw = W::load(grad_gates + o);
     valid = expert >= 0 && expert < E;
     if (valid) {
-      v = num::sanitize(num::to_float(W::load(z + expert)));
+      v = logit(expert);
       score = score_of<G>(v, row_max, row_sum);
     }
   }
@@ -128,7 +128,9 @@ MOE_ROUTE_CUDA_DEVICE void backward_rows_bucket(const Router& r, const backward_
     }
     const float row_sum = warp_sum<W>(partial);
 
-    const selected_grad sg = backward_selected<W>(r, p, token, z, row_max, row_sum);
+    const selected_grad sg = backward_selected<W>(
+        r, p.indices, p.grad_gates, E, token, [z](int e) { return num::sanitize(num::to_float(W::load(z + e))); },
+        row_max, row_sum);
     float* dz = p.grad_logits + token * E;
 #pragma unroll
     for (int j = 0; j < Slots; ++j) {
@@ -162,7 +164,9 @@ MOE_ROUTE_CUDA_DEVICE void backward_rows_general(const Router& r, const backward
       row_sum = warp_sum<W>(partial);
     }
 
-    const selected_grad sg = backward_selected<W>(r, p, token, z, row_max, row_sum);
+    const selected_grad sg = backward_selected<W>(
+        r, p.indices, p.grad_gates, E, token, [z](int e) { return num::sanitize(num::to_float(W::load(z + e))); },
+        row_max, row_sum);
     float* dz = p.grad_logits + token * E;
     for (int e = lane; e < E; e += warp_threads) {
       if constexpr (row_softmax)

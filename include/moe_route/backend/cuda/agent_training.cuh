@@ -24,12 +24,15 @@
 
 #include "../../detail/numerics.hpp"
 #include "../../gating/gating.hpp"
+#include "../../admission/admission.hpp"
+#include "../../admission/gates.hpp"
 #include "../../penalty/finalize.hpp"
 #include "../../penalty/workspace.hpp"
 #include "../../prior/policy.hpp"
 #include "../../router.hpp"
 #include "../../selection/selection.hpp"
 #include "../../types.hpp"
+#include "agent_backward.cuh"
 #include "agent_common.cuh"
 #include "config.cuh"
 #include "warp_reduce.cuh"
@@ -69,6 +72,8 @@ struct training_params {
   std::int32_t* indices;               // [N x K]
   float* gates;                        // [N x K]
   // Backward.
+  const std::int32_t* admitted_indices;  // [N x K] or null (backward_args::admitted_indices)
+  bool renormalize;
   const std::int32_t* grad_indices;    // [N x K]
   const float* grad_gates;             // [N x K]
   float* grad_logits;                  // [N x E]
@@ -357,6 +362,100 @@ MOE_ROUTE_CUDA_DEVICE bool route_training_row(const Router& r, const training_pa
   return nonfinite;
 }
 
+// The gate gradient of one token with its gates as routed (agent_backward.cuh's
+// backward_selected on the row the gates came from, then the dense row and,
+// after W::sync(), the selected entries).
+template <class W, class Router, class T>
+MOE_ROUTE_CUDA_DEVICE void routed_gate_grad(const Router& r, const training_params<T>& p, std::int64_t token,
+                                            const T* z, const float* b, float beta, bool biased, float row_max,
+                                            float row_sum, float* dz) {
+  using G = typename Router::gating_type;
+  const auto logit = [&](int e) { return num::sanitize(selection_logit<W>(z, b, beta, biased, e)); };
+  const selected_grad sg =
+      backward_selected<W>(r, p.grad_indices, p.grad_gates, p.num_experts, token, logit, row_max, row_sum);
+  for (int e = W::lane(); e < p.num_experts; e += warp_threads) {
+    if constexpr (G::shape == gating::kind::row_softmax)
+      dz[e] = score_of<G>(logit(e), row_max, row_sum) * -sg.dot;
+    else
+      dz[e] = 0.0f;
+  }
+  W::sync();
+  if (sg.write) dz[sg.expert] = sg.value;
+}
+
+// The gate gradient of one token whose gates were admitted
+// (cpu::detail::admitted_backward_row): lane j < K holds slot j's routed and
+// admitted experts, their gate inputs sigma_j and phi_j, and its upstream
+// gradient; every lane evaluates admitted_gate_weights_vjp; the dense row is
+// written, then (after W::sync()) the routed and the rerouted experts' entries.
+// Admitted entries outside [-1, E) act as dropped, routed ones outside [0, E)
+// write nothing (device data cannot be validated; the CPU backend rejects them).
+template <class W, class Router, class T>
+MOE_ROUTE_CUDA_DEVICE void admitted_gate_grad(const Router& r, const training_params<T>& p, std::int64_t token,
+                                              const T* z, const float* b, float beta, bool biased, float row_max,
+                                              float row_sum, float* dz) {
+  using G = typename Router::gating_type;
+  namespace ad = moe_route::admission;
+  const int lane = W::lane();
+  const int E = p.num_experts;
+  const int k = r.top_k;
+  int routed = -1, admitted = -1;
+  float dg = 0.0f, sigma = 0.0f, phi = 0.0f;
+  if (lane < k) {
+    routed = W::load(p.grad_indices + token * k + lane);
+    admitted = W::load(p.admitted_indices + token * k + lane);
+    dg = W::load(p.grad_gates + token * k + lane);
+    if (routed < 0 || routed >= E) routed = -1;
+    if (admitted < -1 || admitted >= E) admitted = -1;
+    if (routed >= 0) sigma = score_of<G>(num::sanitize(selection_logit<W>(z, b, beta, biased, routed)), row_max, row_sum);
+    if (admitted >= 0 && admitted != routed)
+      phi = score_of<G>(num::sanitize(selection_logit<W>(z, b, beta, biased, admitted)), row_max, row_sum);
+  }
+  float sigmas[Router::max_k] = {}, phis[Router::max_k] = {}, grads[Router::max_k] = {};
+  std::int32_t routed_all[Router::max_k] = {}, admitted_all[Router::max_k] = {};
+  float d_sigma[Router::max_k], d_phi[Router::max_k];
+  for (int j = 0; j < k; ++j) {
+    sigmas[j] = W::shfl(sigma, j);
+    phis[j] = W::shfl(phi, j);
+    grads[j] = W::shfl(dg, j);
+    routed_all[j] = W::shfl(routed, j);
+    admitted_all[j] = W::shfl(admitted, j);
+  }
+  ad::admitted_gate_weights_vjp(r, sigmas, phis, routed_all, admitted_all, p.renormalize, grads, d_sigma, d_phi, k);
+  const bool rerouted = lane < k && ad::status_of(routed, admitted) == ad::slot_status::rerouted;
+  float dot = 0.0f;
+  if constexpr (G::shape == gating::kind::row_softmax) {
+    for (int j = 0; j < k; ++j)
+      if (routed_all[j] >= 0) dot = num::fma(d_sigma[j], sigmas[j], dot);
+    for (int j = 0; j < k; ++j)
+      if (ad::status_of(routed_all[j], admitted_all[j]) == ad::slot_status::rerouted) dot = num::fma(d_phi[j], phis[j], dot);
+  }
+  for (int e = lane; e < E; e += warp_threads) {
+    if constexpr (G::shape == gating::kind::row_softmax)
+      dz[e] = score_of<G>(num::sanitize(selection_logit<W>(z, b, beta, biased, e)), row_max, row_sum) * -dot;
+    else
+      dz[e] = 0.0f;
+  }
+  W::sync();
+  if (lane < k && routed >= 0) {
+    if constexpr (G::shape == gating::kind::row_softmax)
+      dz[routed] = sigma * (d_sigma[lane] - dot);
+    else if constexpr (G::shape == gating::kind::elementwise)
+      dz[routed] = d_sigma[lane] * G::derivative(num::sanitize(selection_logit<W>(z, b, beta, biased, routed)), sigma);
+    else
+      dz[routed] = d_sigma[lane];
+  }
+  W::sync();
+  if (rerouted) {
+    if constexpr (G::shape == gating::kind::row_softmax)
+      dz[admitted] = phi * (d_phi[lane] - dot);
+    else if constexpr (G::shape == gating::kind::elementwise)
+      dz[admitted] = d_phi[lane] * G::derivative(num::sanitize(selection_logit<W>(z, b, beta, biased, admitted)), phi);
+    else
+      dz[admitted] = d_phi[lane];
+  }
+}
+
 // The fused backward of one token of a training call: the gate gradient on
 // the row the gates came from, then the penalties' gradients.
 template <class W, class Router, class T>
@@ -366,7 +465,6 @@ MOE_ROUTE_CUDA_DEVICE void backward_training_row(const Router& r, const training
   constexpr bool row_softmax = G::shape == gating::kind::row_softmax;
   const int lane = W::lane();
   const int E = p.num_experts;
-  const int k = r.top_k;
   const T* z = p.logits + token * E;
   const float* b;
   float beta;
@@ -374,52 +472,12 @@ MOE_ROUTE_CUDA_DEVICE void backward_training_row(const Router& r, const training
 
   float row_max = 0.0f, row_sum = 0.0f;
   if constexpr (row_softmax) softmax_stats<W, G>(z, b, beta, biased, E, row_max, row_sum);
-
-  // Lane j < K: the j-th selected expert, its score and upstream gradient.
-  int expert = -1;
-  float dw = 0.0f, v = 0.0f;
-  float score = G::shape == gating::kind::selected_softmax ? -num::infinity() : 0.0f;
-  bool valid = false;
-  if (lane < k) {
-    expert = W::load(p.grad_indices + token * k + lane);
-    dw = W::load(p.grad_gates + token * k + lane);
-    valid = expert >= 0 && expert < E;
-    if (valid) {
-      v = num::sanitize(selection_logit<W>(z, b, beta, biased, expert));
-      score = score_of<G>(v, row_max, row_sum);
-    }
-  }
-  const std::uint32_t valid_mask = W::ballot(valid);
-  float selected[Router::max_k] = {};  // zeroed: silences a GCC -Wmaybe-uninitialized false positive (emulator builds)
-  float grad[Router::max_k] = {};
-  float dsel[Router::max_k];
-  bool last = valid;
-  for (int j = 0; j < k; ++j) {
-    selected[j] = W::shfl(score, j);
-    grad[j] = W::shfl(dw, j);
-    const int other = W::shfl(expert, j);
-    if (j > lane && other == expert) last = false;
-  }
-  num::gate_weights_vjp(r, selected, grad, dsel, k);
-  float dot = 0.0f, value = 0.0f;
-  if constexpr (row_softmax) {
-    for (int j = 0; j < k; ++j)
-      if ((valid_mask >> j) & 1u) dot = num::fma(dsel[j], selected[j], dot);
-    if (last) value = score * (dsel[lane] - dot);
-  } else if constexpr (G::shape == gating::kind::elementwise) {
-    if (last) value = dsel[lane] * G::derivative(v, score);
-  } else {
-    if (last) value = dsel[lane];
-  }
   float* dz = p.grad_logits + token * E;
-  for (int e = lane; e < E; e += warp_threads) {
-    if constexpr (row_softmax)
-      dz[e] = score_of<G>(num::sanitize(selection_logit<W>(z, b, beta, biased, e)), row_max, row_sum) * -dot;
-    else
-      dz[e] = 0.0f;
+  if (p.admitted_indices != nullptr) {
+    admitted_gate_grad<W>(r, p, token, z, b, beta, biased, row_max, row_sum, dz);
+  } else {
+    routed_gate_grad<W>(r, p, token, z, b, beta, biased, row_max, row_sum, dz);
   }
-  W::sync();
-  if (last) dz[expert] = value;
   W::sync();  // the gate gradient is complete before the penalties add to it
 
   if constexpr (Router::has_penalties) {
@@ -487,53 +545,9 @@ MOE_ROUTE_CUDA_DEVICE void backward_training_row(const Router& r, const training
 
 // Host side of a launch (no CUDA API): the workspace regions and the kernel
 // parameters of a call.
-// Typed pointers into a workspace (null where a region is absent).
-struct workspace_regions {
-  penalty::workspace_header* header = nullptr;
-  std::int64_t *distribution_sums = nullptr, *counts = nullptr, *sequence_sums = nullptr,
-               *sequence_counts = nullptr, *sequence_tokens = nullptr;
-  double *token_values = nullptr, *chunk_values = nullptr;
-  float *expert_grad = nullptr, *sequence_grad = nullptr;
-
-  workspace_regions(void* base, const penalty::workspace_layout& l) {
-    auto* bytes = static_cast<unsigned char*>(base);
-    const auto at = [bytes](std::size_t offset) -> void* { return offset == 0 ? nullptr : bytes + offset; };
-    header = static_cast<penalty::workspace_header*>(base);
-    distribution_sums = static_cast<std::int64_t*>(at(l.distribution_sums));
-    counts = static_cast<std::int64_t*>(at(l.counts));
-    sequence_sums = static_cast<std::int64_t*>(at(l.sequence_sums));
-    sequence_counts = static_cast<std::int64_t*>(at(l.sequence_counts));
-    sequence_tokens = static_cast<std::int64_t*>(at(l.sequence_tokens));
-    token_values = static_cast<double*>(at(l.token_values));
-    chunk_values = static_cast<double*>(at(l.chunk_values));
-    expert_grad = static_cast<float*>(at(l.expert_grad));
-    sequence_grad = static_cast<float*>(at(l.sequence_grad));
-  }
-
-  template <class Router, class T>
-  penalty::training_state state(const Router& r, const route_inputs<T>& in) const {
-    penalty::training_state s;
-    s.header = header;
-    s.distribution_sums = distribution_sums;
-    s.counts = counts;
-    s.sequence_sums = sequence_sums;
-    s.sequence_counts = sequence_counts;
-    s.sequence_tokens = sequence_tokens;
-    s.chunk_values = chunk_values;
-    s.chunks = (in.num_tokens + penalty::value_chunk - 1) / penalty::value_chunk;
-    s.num_experts = in.num_experts;
-    s.top_k = r.top_k;
-    s.num_sequences = in.num_sequences;
-    s.load_fractions = in.load_fractions;
-    s.expert_rank = in.expert_rank;
-    s.rank = in.rank;
-    return s;
-  }
-};
-
 template <class Router, class S, class T>
 training_params<S> make_training_params(const Router& r, const route_inputs<T>& in, const S* logits,
-                                        const penalty::switches& on, const workspace_regions* ws) {
+                                        const penalty::switches& on, const penalty::workspace_view* ws) {
   training_params<S> p{};
   p.logits = logits;
   p.num_tokens = in.num_tokens;
@@ -543,7 +557,7 @@ training_params<S> make_training_params(const Router& r, const route_inputs<T>& 
   p.prior_bias = in.prior_bias;
   p.prior_probs = in.prior_probs;
   p.prior_rows = in.prior_rows;
-  p.token_prior_row = in.token_prior_row;
+  p.token_prior_row = in.mode == mode::train ? in.token_prior_row : nullptr;  // eval: no prior
   p.on = on;
   p.sequences = penalty::over_sequences(r);
   if constexpr (Router::template has<penalty::load_balance>)

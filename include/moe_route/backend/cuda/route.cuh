@@ -102,19 +102,21 @@ void route(const Router& r, const route_inputs<T>& in, const route_outputs& out,
 }
 
 // Fused backward: args.grad_logits[N x E] (overwritten) from args.grad_gates
-// [N x K] and the forward's args.indices. Entries of indices outside [0, E)
-// are ignored on the device (agent_backward.cuh); the CPU backend rejects them.
+// [N x K] and the forward's args.indices; with args.admitted_indices, the
+// gradient of admitted gates (admission/gates.hpp), as cpu::backward. Entries
+// of indices outside [0, E) are ignored on the device (agent_backward.cuh);
+// the CPU backend rejects them.
 template <class Router, class T>
 void backward(const Router& r, const route_inputs<T>& in, const backward_args& args, cudaStream_t stream = 0) {
   static_assert(is_router<Router>, "cuda::backward: the first argument must be a moe_route::router");
   moe_route::detail::validate_backward(r, in, args);
   if (in.num_tokens == 0) return;
   using S = detail::storage_t<T>;
-  if constexpr (Router::has_prior || Router::has_penalties) {
-    if (in.mode == mode::train) {
-      detail::backward_training(r, in, detail::storage_pointer(in.logits), args, stream);
-      return;
-    }
+  // Admitted gates, and training calls of routers with a prior or penalties,
+  // take the training kernels (training.cuh).
+  if (args.admitted_indices != nullptr || ((Router::has_prior || Router::has_penalties) && in.mode == mode::train)) {
+    detail::backward_training(r, in, detail::storage_pointer(in.logits), args, stream);
+    return;
   }
   detail::backward_params<S> p{detail::storage_pointer(in.logits), in.num_tokens, in.num_experts,
                                args.indices, args.grad_gates, args.grad_logits};

@@ -139,7 +139,7 @@ void route_training(const Router& r, const route_inputs<T>& in, const S* logits,
   const penalty::switches on = Router::has_penalties ? penalty::active(r, in) : penalty::switches{};
   const auto layout = penalty::training_layout<Router>(in.num_tokens, in.num_experts, in.num_sequences);
   const bool penalties = Router::has_penalties && on.any();
-  std::optional<workspace_regions> ws;
+  std::optional<penalty::workspace_view> ws;
   if (penalties) {
     ws.emplace(out.workspace, layout);
     const std::size_t zeroed = layout.token_values != 0 ? layout.token_values : layout.bytes;
@@ -187,7 +187,7 @@ void backward_training(const Router& r, const route_inputs<T>& in, const S* logi
                        cudaStream_t stream) {
   const penalty::switches on = Router::has_penalties ? penalty::active(r, in) : penalty::switches{};
   const bool penalties = Router::has_penalties && on.any();
-  std::optional<workspace_regions> ws;
+  std::optional<penalty::workspace_view> ws;
   penalty::upstream_grads up;
   if constexpr (Router::has_penalties) {
     static_assert(Router::num_penalties <= 8, "at most 8 penalties");
@@ -203,6 +203,8 @@ void backward_training(const Router& r, const route_inputs<T>& in, const S* logi
     }
   }
   training_params<S> p = make_training_params(r, in, logits, on, ws ? &*ws : nullptr);
+  p.admitted_indices = args.admitted_indices;
+  p.renormalize = args.renormalize;
   p.grad_indices = args.indices;
   p.grad_gates = args.grad_gates;
   p.grad_logits = args.grad_logits;
