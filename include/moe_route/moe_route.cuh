@@ -9,3 +9,4 @@
 #include "backend/cuda/expert_choice.cuh"
 #include "backend/cuda/dispatch_metadata.cuh"
 #include "backend/cuda/prior_build.cuh"
+#include "backend/cuda/router_l2.cuh"

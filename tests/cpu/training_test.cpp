@@ -773,3 +773,54 @@ TEST_CASE("admitted gates: the backward adds the penalties' gradients to the adm
   // and the admitted gate gradient differs from the routed one where slots were dropped
   CHECK(std::memcmp(gates_only.data(), plain_routed.dz.data(), gates_only.size() * 4) != 0);
 }
+
+TEST_CASE("router_l2: value and gradient against a reference and finite differences; bad layers rejected") {
+  ref::rng g(22);
+  const std::vector<std::int64_t> sizes = {300, 0, 9000};  // 9000 spans three sum chunks
+  std::vector<std::vector<float>> w(3), w0(3), grad(3);
+  std::vector<pen::router_weights> layers(3);
+  for (int l = 0; l < 3; ++l) {
+    for (std::int64_t i = 0; i < sizes[l]; ++i) {
+      w0[l].push_back(static_cast<float>(g.normal(0.05)));
+      w[l].push_back(w0[l].back() + static_cast<float>(g.normal(0.01)));
+      grad[l].push_back(0.25f);
+    }
+    layers[l] = {w[l].data(), w0[l].data(), sizes[l], grad[l].data()};
+  }
+  const pen::router_l2 policy{3.0f};
+  const double value = policy.apply(layers.data(), 3);
+  // reference: lambda * mean over layers of ||W - W0||^2, in long double
+  long double expect = 0;
+  for (int l = 0; l < 3; ++l)
+    for (std::int64_t i = 0; i < sizes[l]; ++i) {
+      const long double d = static_cast<long double>(w[l][i]) - w0[l][i];
+      expect += d * d;
+    }
+  expect *= 3.0L / 3;
+  CHECK(value == doctest::Approx(static_cast<double>(expect)).epsilon(1e-12));
+  // gradient: 0.25 + 2 lambda / L (W - W0), and by central differences of the value
+  for (int l = 0; l < 3; l += 2)
+    for (std::int64_t i = 0; i < sizes[l]; i += 997) {
+      CHECK(grad[l][i] == doctest::Approx(0.25 + 2.0 * 3.0 / 3 * (static_cast<double>(w[l][i]) - w0[l][i])).epsilon(1e-6));
+      const auto value_at = [&](double x) {
+        long double v = 0;
+        for (int m = 0; m < 3; ++m)
+          for (std::int64_t j = 0; j < sizes[m]; ++j) {
+            const long double d = (m == l && j == i ? x : static_cast<long double>(w[m][j])) - w0[m][j];
+            v += d * d;
+          }
+        return static_cast<double>(v * 3.0L / 3);
+      };
+      const double h = 1e-4;
+      const double fd = (value_at(w[l][i] + h) - value_at(w[l][i] - h)) / (2 * h);
+      CHECK(grad[l][i] - 0.25 == doctest::Approx(fd).epsilon(1e-4).scale(1e-6));
+    }
+  // value only (no gradient), deterministic
+  std::vector<pen::router_weights> no_grad = layers;
+  for (auto& x : no_grad) x.grad = nullptr;
+  CHECK(policy.apply(no_grad.data(), 3) == policy.apply(no_grad.data(), 3));
+  CHECK_THROWS_WITH_AS(policy.apply(layers.data(), 0), doctest::Contains("num_layers (= 0)"), mr::error);
+  no_grad[2].base = nullptr;
+  CHECK_THROWS_WITH_AS(policy.apply(no_grad.data(), 3), doctest::Contains("layers[2].base is null"), mr::error);
+  static_assert(!pen::is_penalty<pen::router_l2>, "router_l2 acts on weights, not in a router's policy list");
+}

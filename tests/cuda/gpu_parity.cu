@@ -16,6 +16,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -956,4 +957,37 @@ GPU_TEST_CASE("prior builder: cuda::prior::build equals prior::build bit for bit
     CHECK(used == report.tokens_used);
     CHECK(empty == static_cast<std::int64_t>(report.empty_rows.size()));
   }
+}
+
+GPU_TEST_CASE("router_l2: cuda::router_l2_apply equals penalty::router_l2::apply bit for bit") {
+  std::mt19937 g(7);
+  std::normal_distribution<float> nd(0.0f, 0.02f);
+  const std::vector<std::int64_t> sizes = {64 * 2048, 5, 0, 4096 * 3 + 17};
+  std::vector<std::vector<float>> w(sizes.size()), w0(sizes.size()), grad(sizes.size());
+  std::vector<mr::penalty::router_weights> host(sizes.size());
+  for (std::size_t l = 0; l < sizes.size(); ++l) {
+    for (std::int64_t i = 0; i < sizes[l]; ++i) {
+      w0[l].push_back(nd(g));
+      w[l].push_back(w0[l].back() + 0.1f * nd(g));
+      grad[l].push_back(nd(g));
+    }
+  }
+  std::vector<std::unique_ptr<device_buffer<float>>> dw, dw0, dgrad;
+  std::vector<mr::penalty::router_weights> dev(sizes.size());
+  for (std::size_t l = 0; l < sizes.size(); ++l) {
+    dw.emplace_back(new device_buffer<float>(w[l]));
+    dw0.emplace_back(new device_buffer<float>(w0[l]));
+    dgrad.emplace_back(new device_buffer<float>(grad[l]));
+    dev[l] = {dw[l]->get(), dw0[l]->get(), sizes[l], dgrad[l]->get()};
+    host[l] = {w[l].data(), w0[l].data(), sizes[l], grad[l].data()};
+  }
+  const mr::penalty::router_l2 policy{1e4f};
+  const double value = policy.apply(host.data(), static_cast<int>(host.size()));
+  device_buffer<double> dvalue(1);
+  const std::size_t bytes = mr::cuda::router_l2_workspace_bytes(dev.data(), static_cast<int>(dev.size()));
+  device_buffer<unsigned char> ws(bytes);
+  mr::cuda::router_l2_apply(policy, dev.data(), static_cast<int>(dev.size()), dvalue.get(), ws.get(), bytes);
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+  CHECK(same_bits(dvalue.to_host(), std::vector<double>{value}));
+  for (std::size_t l = 0; l < sizes.size(); ++l) CHECK(same_bits(dgrad[l]->to_host(), grad[l]));
 }

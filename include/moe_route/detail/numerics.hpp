@@ -86,14 +86,20 @@ MOE_ROUTE_HD float max(float a, float b) { return a < b ? b : a; }
 // e^x with error below one ulp in the normal range. NaN propagates, results
 // that would overflow are +inf, and results below the smallest normal float
 // (x < -87) are flushed to 0 so the final scaling is always exact.
+// Branch-free: the argument is clamped, the polynomial always evaluated and
+// the special cases applied as bit-mask selects, so loops over a row
+// vectorise (plain early returns or ternaries on the result let the compiler
+// move the polynomial into a branch). Bit for bit the former branching form
+// on every non-NaN input (checked exhaustively when it was introduced).
 MOE_ROUTE_HD float exp(float x) {
-  if (is_nan(x)) return x;
-  if (x > 88.72283172607421875f) return infinity();  // the largest float below ln(FLT_MAX)
-  if (x < -87.0f) return 0.0f;
+  const float hi = 88.72283172607421875f;  // the largest float below ln(FLT_MAX)
+  float xc = x < -87.0f ? -87.0f : x;
+  xc = xc > hi ? hi : xc;
+  xc = is_nan(x) ? 0.0f : xc;
   // n = round(x / ln 2) by the 1.5 * 2^23 shifter; r = x - n ln 2 in two steps.
   const float shifter = 12582912.0f;
-  const float n = fma(x, 1.44269502162933349609375f, shifter) - shifter;
-  float r = fma(n, -0.693145751953125f, x);
+  const float n = fma(xc, 1.44269502162933349609375f, shifter) - shifter;
+  float r = fma(n, -0.693145751953125f, xc);
   r = fma(n, -1.428606765330187045e-06f, r);
   // Taylor polynomial of degree 7 on |r| <= 0.35: truncation below 0.05 ulp.
   float p = 1.98412698412698412e-04f;
@@ -104,12 +110,18 @@ MOE_ROUTE_HD float exp(float x) {
   p = fma(p, r, 0.5f);
   p = fma(p, r, 1.0f);
   p = fma(p, r, 1.0f);
-  int e = static_cast<int>(n);
-  if (e > 127) {  // x close to the overflow threshold: scale in two exact steps
-    p = p * 2.0f;
-    e -= 1;
-  }
-  return p * bits_to_float(static_cast<std::uint32_t>(e + 127) << 23);
+  // Near the overflow threshold (n = 128) the scale 2^n is applied in two exact steps.
+  const int e = static_cast<int>(n);
+  const int big = e > 127 ? 1 : 0;
+  const float p2 = p * bits_to_float(static_cast<std::uint32_t>(127 + big) << 23);
+  std::uint32_t y = float_to_bits(p2 * bits_to_float(static_cast<std::uint32_t>(e - big + 127) << 23));
+  const std::uint32_t over = 0u - static_cast<std::uint32_t>(x > hi);
+  const std::uint32_t under = 0u - static_cast<std::uint32_t>(x < -87.0f);
+  const std::uint32_t nan = 0u - static_cast<std::uint32_t>(is_nan(x));
+  y = (y & ~over) | (0x7f800000u & over);
+  y &= ~under;
+  y = (y & ~nan) | (float_to_bits(x) & nan);
+  return bits_to_float(y);
 }
 
 // log(1 + u) for u in [0, 1] with a relative error of about one ulp, also
@@ -158,15 +170,16 @@ MOE_ROUTE_HD float log(float x) {
 
 // Logistic function, accurate in relative terms on both tails.
 MOE_ROUTE_HD float sigmoid(float x) {
-  const float t = exp(x < 0.0f ? x : -x);  // e^{-|x|}, in [0, 1]
-  const float d = 1.0f + t;
-  return x < 0.0f ? div(t, d) : div(1.0f, d);
+  const float t = exp(bits_to_float(float_to_bits(x) | 0x80000000u));  // e^{-|x|}, in [0, 1]
+  const std::uint32_t negative = 0u - static_cast<std::uint32_t>(x < 0.0f);
+  const float numerator = bits_to_float((float_to_bits(t) & negative) | (float_to_bits(1.0f) & ~negative));
+  return div(numerator, 1.0f + t);  // x < 0: t / (1 + t), else 1 / (1 + t); branch-free
 }
 
 // softplus(x) = max(x, 0) + log(1 + e^{-|x|}).
 MOE_ROUTE_HD float softplus(float x) {
-  const float ax = x < 0.0f ? -x : x;
-  return max(x, 0.0f) + log1p_unit(exp(-ax));
+  const float minus_ax = bits_to_float(float_to_bits(x) | 0x80000000u);  // -|x|
+  return max(x, 0.0f) + log1p_unit(exp(minus_ax));
 }
 
 // The value every policy computes with: NaN becomes -inf (it never wins and

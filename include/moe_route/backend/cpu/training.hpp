@@ -94,8 +94,13 @@ struct penalty_row {
   float row_max = 0.0f, norm = 0.0f, lse = 0.0f;
   bool valid = false;
 
+  // The row is valid when its logits are finite and its scores do not all
+  // vanish: every score is increasing in the logit, so the sum of the scores
+  // is positive iff the largest logit's score is (a softmax row always is).
+  // The distribution is computed only when a penalty needs it (the
+  // distribution-space penalties, kl_to_base; z_loss under a softmax gating).
   template <class T>
-  penalty_row(penalty_scratch& scratch, const T* z, int num_experts, bool need_lse)
+  penalty_row(penalty_scratch& scratch, const T* z, int num_experts, bool need_distribution, bool need_lse)
       : sc(scratch), n(num_experts) {
     int bad = 0;
     for (int e = 0; e < n; ++e) {
@@ -106,15 +111,19 @@ struct penalty_row {
     if (bad != 0) return;
     row_max = -num::float_max;
     for (int e = 0; e < n; ++e) row_max = num::max(row_max, sc.v[e]);
-    if constexpr (softmax_like) {
-      for (int e = 0; e < n; ++e) sc.s[e] = num::exp(sc.v[e] - row_max);
-    } else {
-      for (int e = 0; e < n; ++e) sc.s[e] = G::score(sc.v[e]);
+    if constexpr (!softmax_like) {
+      if (!(G::score(row_max) > 0.0f)) return;
     }
-    norm = num::canonical_sum(sc.s, n);
-    if (!(norm > 0.0f)) return;
-    for (int e = 0; e < n; ++e) sc.p[e] = num::div(sc.s[e], norm);
     valid = true;
+    if (need_distribution || (softmax_like && need_lse)) {
+      if constexpr (softmax_like) {
+        for (int e = 0; e < n; ++e) sc.s[e] = num::exp(sc.v[e] - row_max);
+      } else {
+        for (int e = 0; e < n; ++e) sc.s[e] = G::score(sc.v[e]);
+      }
+      norm = num::canonical_sum(sc.s, n);
+      for (int e = 0; e < n; ++e) sc.p[e] = num::div(sc.s[e], norm);
+    }
     if (need_lse) {
       if constexpr (softmax_like) {
         lse = row_max + num::log(norm);
@@ -243,7 +252,7 @@ void penalty_forward_row(const Router& r, const route_inputs<T>& in, const penal
   constexpr int columns = traits::scalar_penalties;
   double* values = ws.token_values + t * columns;
   for (int c = 0; c < columns; ++c) values[c] = 0.0;
-  penalty_row<Router> row(sc, in.logits + t * E, E, traits::z_loss && on.z_loss);
+  penalty_row<Router> row(sc, in.logits + t * E, E, on.distribution || on.kl_to_base, traits::z_loss && on.z_loss);
   if (!row.valid) return;
   ++part.valid_tokens;
   if (traits::distribution_space && on.distribution) {
@@ -355,7 +364,7 @@ void penalty_backward_row(const Router& r, const route_inputs<T>& in, const pena
                           penalty_scratch& sc, float* dz) {
   using traits = penalty::penalty_traits<Router>;
   const int E = in.num_experts;
-  penalty_row<Router> row(sc, in.logits + t * E, E, traits::z_loss && on.z_loss);
+  penalty_row<Router> row(sc, in.logits + t * E, E, on.distribution || on.kl_to_base, traits::z_loss && on.z_loss);
   if (!row.valid) return;
   if (traits::distribution_space && on.distribution) {
     const float* g = ws.expert_grad;

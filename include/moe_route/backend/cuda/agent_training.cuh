@@ -145,7 +145,9 @@ struct warp_penalty_row {
   float row_max = 0.0f, norm = 0.0f, lse = 0.0f, soft_sum = 0.0f;
   bool valid = false;
 
-  MOE_ROUTE_CUDA_DEVICE warp_penalty_row(const T* row, int num_experts, bool need_lse) : z(row), E(num_experts) {
+  // Valid and computed exactly as cpu::detail::penalty_row.
+  MOE_ROUTE_CUDA_DEVICE warp_penalty_row(const T* row, int num_experts, bool need_distribution, bool need_lse)
+      : z(row), E(num_experts) {
     const int lane = W::lane();
     bool bad = false;
     float m = -num::float_max;
@@ -156,11 +158,15 @@ struct warp_penalty_row {
     }
     if (W::any(bad)) return;
     row_max = warp_max<W>(m);
-    float partial = 0.0f;
-    for (int e = lane; e < E; e += warp_threads) partial += s(e);
-    norm = warp_sum<W>(partial);
-    if (!(norm > 0.0f)) return;
+    if constexpr (!softmax_like) {
+      if (!(G::score(row_max) > 0.0f)) return;
+    }
     valid = true;
+    if (need_distribution || (softmax_like && need_lse)) {
+      float partial = 0.0f;
+      for (int e = lane; e < E; e += warp_threads) partial += s(e);
+      norm = warp_sum<W>(partial);
+    }
     if (need_lse) {
       if constexpr (softmax_like) {
         lse = row_max + num::log(norm);
@@ -318,7 +324,7 @@ MOE_ROUTE_CUDA_DEVICE bool route_training_row(const Router& r, const training_pa
     if (p.on.any()) {
       constexpr int columns = traits::scalar_penalties;
       double value[columns > 0 ? columns : 1] = {};
-      const warp_penalty_row<W, Router, T> row(z, E, traits::z_loss && p.on.z_loss);
+      const warp_penalty_row<W, Router, T> row(z, E, p.on.distribution || p.on.kl_to_base, traits::z_loss && p.on.z_loss);
       if (row.valid) {
         if (lane == 0) W::atomic_add(tokens + 0, std::int64_t{1});
         if (traits::distribution_space && p.on.distribution) {
@@ -482,7 +488,7 @@ MOE_ROUTE_CUDA_DEVICE void backward_training_row(const Router& r, const training
 
   if constexpr (Router::has_penalties) {
     if (!p.on.any()) return;
-    const warp_penalty_row<W, Router, T> row(z, E, traits::z_loss && p.on.z_loss);
+    const warp_penalty_row<W, Router, T> row(z, E, p.on.distribution || p.on.kl_to_base, traits::z_loss && p.on.z_loss);
     if (!row.valid) return;
     using RowG = typename Router::gating_type;
     if (traits::distribution_space && p.on.distribution) {
