@@ -12,7 +12,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -85,6 +85,35 @@ inline float lane_sum(const float* x, int n) {
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   const __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
   return _mm_cvtss_f32(s1);
+#elif defined(__AVX2__)
+  // Lanes 0-7, 8-15, 16-23, 24-31 in four vectors. A partial last block adds
+  // zeros to the lanes it does not reach: a lane starts at +0 and can never
+  // become -0, so adding +0 leaves it bit-identical.
+  __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0;
+  int base = 0;
+  for (; base + 32 <= n; base += 32) {
+    l0 = _mm256_add_ps(l0, _mm256_loadu_ps(x + base));
+    l1 = _mm256_add_ps(l1, _mm256_loadu_ps(x + base + 8));
+    l2 = _mm256_add_ps(l2, _mm256_loadu_ps(x + base + 16));
+    l3 = _mm256_add_ps(l3, _mm256_loadu_ps(x + base + 24));
+  }
+  if (base < n) {
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int rest = n - base;
+    const auto part = [&](int offset) {  // lanes offset.. offset+7 that the block reaches
+      const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest - offset), iota);
+      return _mm256_maskload_ps(x + base + offset, in);
+    };
+    l0 = _mm256_add_ps(l0, part(0));
+    if (rest > 8) l1 = _mm256_add_ps(l1, part(8));
+    if (rest > 16) l2 = _mm256_add_ps(l2, part(16));
+    if (rest > 24) l3 = _mm256_add_ps(l3, part(24));
+  }
+  const __m256 s8 = _mm256_add_ps(_mm256_add_ps(l0, l2), _mm256_add_ps(l1, l3));  // offsets 16, then 8
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  const __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+  return _mm_cvtss_f32(s1);
 #else
   float lanes[moe_route::detail::reduction_lanes] = {};
   int base = 0;
@@ -116,6 +145,21 @@ inline float row_max(const float* v, int n) {
   q = _mm_max_ps(q, _mm_movehl_ps(q, q));
   q = _mm_max_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
+#elif defined(__AVX2__)
+  __m256 a = _mm256_set1_ps(-float_max), b = a;
+  int e = 0;
+  for (; e + 16 <= n; e += 16) {
+    a = _mm256_max_ps(a, _mm256_loadu_ps(v + e));
+    b = _mm256_max_ps(b, _mm256_loadu_ps(v + e + 8));
+  }
+  for (; e + 8 <= n; e += 8) a = _mm256_max_ps(a, _mm256_loadu_ps(v + e));
+  a = _mm256_max_ps(a, b);
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_max_ss(q, _mm_movehdup_ps(q));
+  float r = _mm_cvtss_f32(q);
+  for (; e < n; ++e) r = moe_route::detail::max(r, v[e]);
+  return r;
 #else
   constexpr int lanes = 16;
   float m[lanes];
@@ -171,6 +215,23 @@ inline int popcount16(unsigned m) {
 #endif
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// For each 8-bit mask, the positions of its set bits packed into bytes.
+struct compress_table {
+  std::uint64_t positions[256];
+};
+constexpr compress_table make_compress_table() {
+  compress_table t{};
+  for (int m = 0; m < 256; ++m) {
+    int c = 0;
+    for (int b = 0; b < 8; ++b)
+      if ((m >> b) & 1) t.positions[m] |= static_cast<std::uint64_t>(b) << (8 * c++);
+  }
+  return t;
+}
+inline constexpr compress_table compress_positions = make_compress_table();
+#endif
+
 // The experts e with order[e] >= threshold, ascending, into out (room for
 // n + 16 entries); returns their number.
 inline int compact_at_least(const std::uint32_t* order, int n, std::uint32_t threshold, std::int32_t* out) {
@@ -184,6 +245,16 @@ inline int compact_at_least(const std::uint32_t* order, int n, std::uint32_t thr
     _mm512_storeu_si512(out + count, _mm512_maskz_compress_epi32(m, index));
     count += popcount16(m);
     index = _mm512_add_epi32(index, step);
+  }
+#elif defined(__AVX2__)
+  const __m256i bound = _mm256_set1_epi32(static_cast<int>(threshold));
+  for (; e + 8 <= n; e += 8) {
+    const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order + e));
+    const __m256i at_least = _mm256_cmpeq_epi32(_mm256_max_epu32(o, bound), o);  // unsigned o >= bound
+    const unsigned m = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(at_least)));
+    const __m256i picked = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(compress_positions.positions[m])));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + count), _mm256_add_epi32(picked, _mm256_set1_epi32(e)));
+    count += popcount16(m);
   }
 #endif
   for (; e < n; ++e) {  // branch-free
@@ -222,6 +293,37 @@ std::uint32_t lane_bound(const std::uint32_t* order, int n, int k) {
     q = _mm_min_epu32(q, _mm_shuffle_epi32(q, 0x4e));
     q = _mm_min_epu32(q, _mm_shuffle_epi32(q, 0xb1));
     return static_cast<std::uint32_t>(_mm_cvtsi128_si32(q));
+  }
+#elif defined(__AVX2__)
+  if constexpr (Lanes == 16) {
+    __m256i a = _mm256_setzero_si256(), b = a;  // lanes 0-7 and 8-15
+    int e = 0;
+    for (; e + 16 <= n; e += 16) {
+      a = _mm256_max_epu32(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order + e)));
+      b = _mm256_max_epu32(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order + e + 8)));
+    }
+    if (e < n) {  // zeros (the identity of the maximum) beyond the row
+      const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const int rest = n - e;
+      const __m256i in0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest), iota);
+      const __m256i in1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest - 8), iota);
+      a = _mm256_max_epu32(a, _mm256_maskload_epi32(reinterpret_cast<const int*>(order + e), in0));
+      b = _mm256_max_epu32(b, _mm256_maskload_epi32(reinterpret_cast<const int*>(order + e + 8), in1));
+    }
+    alignas(32) std::uint32_t m[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(m), a);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(m + 8), b);
+    const __m256i flip = _mm256_set1_epi32(static_cast<int>(0x80000000u));  // unsigned order as signed
+    const __m256i as = _mm256_xor_si256(a, flip), bs = _mm256_xor_si256(b, flip);
+    std::uint32_t bound = ~std::uint32_t{0};  // the smallest lane maximum of rank < k
+    for (int i = 0; i < 16; ++i) {
+      const __m256i mi = _mm256_set1_epi32(static_cast<int>(m[i] ^ 0x80000000u));
+      const int rank =
+          popcount16(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(as, mi))))) +
+          popcount16(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(bs, mi)))));
+      bound = rank < k ? std::min(bound, m[i]) : bound;
+    }
+    return bound;
   }
 #endif
   std::uint32_t m[Lanes] = {};
@@ -277,6 +379,25 @@ inline void select_top(const std::uint32_t* order, const std::uint64_t* keys, in
     for (int i = 0; i < count; ++i) {
       const __m512i ci = _mm512_set1_epi64(static_cast<long long>(candidates[i]));
       const int rank = popcount16(_mm512_cmpgt_epu64_mask(c0, ci)) + popcount16(_mm512_cmpgt_epu64_mask(c1, ci));
+      slots[rank < k ? rank : k] = candidates[i];
+    }
+    for (int j = 0; j < k; ++j) best[j] = slots[j];
+    return;
+  }
+#elif defined(__AVX2__)
+  if (count <= 16) {
+    const __m256i flip = _mm256_set1_epi64x(static_cast<long long>(0x8000000000000000ull));  // unsigned as signed
+    const __m256i iota = _mm256_setr_epi64x(0, 1, 2, 3);
+    __m256i c[4];  // absent lanes load 0, which flips to the smallest value
+    for (int q = 0; q < 4; ++q) {
+      const __m256i in = _mm256_cmpgt_epi64(_mm256_set1_epi64x(count - 4 * q), iota);
+      c[q] = _mm256_xor_si256(_mm256_maskload_epi64(reinterpret_cast<const long long*>(candidates + 4 * q), in), flip);
+    }
+    for (int i = 0; i < count; ++i) {
+      const __m256i ci = _mm256_set1_epi64x(static_cast<long long>(candidates[i] ^ 0x8000000000000000ull));
+      int rank = 0;
+      for (int q = 0; q < 4; ++q)
+        rank += popcount16(static_cast<unsigned>(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(c[q], ci)))));
       slots[rank < k ? rank : k] = candidates[i];
     }
     for (int j = 0; j < k; ++j) best[j] = slots[j];
