@@ -57,45 +57,6 @@ struct prior_data {
   mr::prior::prepare_report report;
 };
 
-template <class Gating>
-float gate_score_at(const float* v, const float* dist, int e) {
-  if constexpr (Gating::shape == mr::gating::kind::selected_softmax) return v[e];
-  else if constexpr (Gating::shape == mr::gating::kind::row_softmax) return dist[e];
-  else return Gating::score(v[e]);
-}
-
-// RPB-hard (POLICIES.md section 2, prior_override): tokens with r(t) >= 0 take
-// the top-K experts of b[r(t)] (ties to the lower expert index); their gates
-// come from s = g(z) of the unmodified logits with the router's normalisation
-// and scaling. Tokens with r(t) = -1 keep the plain routing.
-template <class Router>
-std::int64_t apply_hard_prior(const Router& r, const float* z, std::int64_t n, int e_count, const prior_data& p,
-                              std::int32_t* indices, float* gates) {
-  using G = typename Router::gating_type;
-  const int k = r.top_k;
-  std::vector<float> v(e_count), dist(e_count), selected(k), w(k);
-  std::vector<int> order(e_count);
-  std::int64_t changed = 0;
-  for (std::int64_t t = 0; t < n; ++t) {
-    const std::int32_t row = p.rows[t];
-    if (row < 0) continue;
-    const float* b = p.bias.data() + static_cast<std::size_t>(row) * e_count;
-    for (int e = 0; e < e_count; ++e) order[e] = e;
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [b](int x, int y) { return b[x] > b[y] || (b[x] == b[y] && x < y); });
-    for (int e = 0; e < e_count; ++e) v[e] = mr::detail::sanitize(z[t * e_count + e]);
-    if constexpr (G::shape == mr::gating::kind::row_softmax) mr::cpu::detail::distribution<G>(v.data(), e_count, dist.data());
-    for (int j = 0; j < k; ++j) selected[j] = gate_score_at<G>(v.data(), dist.data(), order[j]);
-    mr::detail::gate_weights(r, selected.data(), w.data(), k);
-    for (int j = 0; j < k; ++j) {
-      indices[t * k + j] = order[j];
-      gates[t * k + j] = w[j];
-    }
-    ++changed;
-  }
-  return changed;
-}
-
 nlohmann::json admission_json(const mr::admission_report& a) {
   return {{"offered", a.offered},       {"kept", a.kept},
           {"rerouted", a.rerouted},     {"dropped", a.dropped},
@@ -107,10 +68,31 @@ struct inputs {
   array<float> logits;
   std::int64_t n = 0;
   int e = 0;
-  std::vector<float> z;  // the logits the router sees (prior-biased in soft mode)
+  // The logits admission ranks by: the logits themselves, or in soft prior mode
+  // with an admission policy z' = fma(beta, b[r(t)], z), the logits the gates
+  // came from (bias_gates = true).
+  std::vector<float> admission_logits;
+  const float* z() const { return admission_logits.empty() ? logits.data.data() : admission_logits.data(); }
   array<float> expert_bias, hidden_norms, weight_norms;
   std::optional<prior_data> prior;
 };
+
+// The routing call: the router alone, or with the prior as a router-level
+// policy (prior::log_prior_bias{beta}, bias_gates = true, or
+// prior::prior_override) in mode::train with the prepared table b and rows r(t).
+template <class Router>
+mr::route_report route_cpu(const Router& r, const route_options& o, const inputs& in, const mr::route_outputs& out,
+                           const mr::cpu::execution& ex) {
+  const float* bias = in.expert_bias.data.empty() ? nullptr : in.expert_bias.data.data();
+  mr::route_inputs<float> ri{in.logits.data.data(), in.n, in.e, bias};
+  if (!in.prior) return mr::cpu::route(r, ri, out, ex);
+  ri.mode = mr::mode::train;
+  ri.prior_bias = in.prior->bias.data();
+  ri.prior_rows = in.prior->num_rows;
+  ri.token_prior_row = in.prior->rows.data();
+  if (o.prior_mode == "soft") return mr::cpu::route(mr::with_policies(r, mr::prior::log_prior_bias{o.beta, true}), ri, out, ex);
+  return mr::cpu::route(mr::with_policies(r, mr::prior::prior_override{}), ri, out, ex);
+}
 
 template <class Router>
 routed run_router(Router r, const route_options& o, const inputs& in) {
@@ -125,7 +107,7 @@ routed run_router(Router r, const route_options& o, const inputs& in) {
     res.indices.assign(static_cast<std::size_t>(in.n) * in.e, -1);
     res.gates.assign(res.indices.size(), 0.0f);
     mr::expert_choice_report rep;
-    mr::cpu::expert_choice(p, mr::expert_choice_inputs<float>{in.z.data(), in.n, in.e},
+    mr::cpu::expert_choice(p, mr::expert_choice_inputs<float>{in.z(), in.n, in.e},
                            mr::expert_choice_outputs{res.indices.data(), res.gates.data(), nullptr, &rep});
     res.admission = {{"assignments", rep.assignments},
                      {"tokens_without_experts", rep.tokens_without_experts},
@@ -139,12 +121,10 @@ routed run_router(Router r, const route_options& o, const inputs& in) {
   const std::size_t slots = static_cast<std::size_t>(in.n) * o.k;
   std::vector<std::int32_t> idx(slots);
   std::vector<float> gates(slots);
-  const float* bias = in.expert_bias.data.empty() ? nullptr : in.expert_bias.data.data();
-  const mr::route_report rep =
-      mr::cpu::route(r, mr::route_inputs<float>{in.z.data(), in.n, in.e, bias}, mr::route_outputs{idx.data(), gates.data()}, ex);
+  const mr::route_report rep = route_cpu(r, o, in, mr::route_outputs{idx.data(), gates.data()}, ex);
   res.nonfinite_rows = rep.nonfinite_rows;
   if (in.prior && o.prior_mode == "hard")
-    res.hard_prior_tokens = apply_hard_prior(r, in.z.data(), in.n, in.e, *in.prior, idx.data(), gates.data());
+    res.hard_prior_tokens = std::count_if(in.prior->rows.begin(), in.prior->rows.end(), [](std::int32_t x) { return x >= 0; });
 
   // Admission depends only on the gating, K, normalisation and scaling, so it
   // runs with a plain top-k router of the same gating (fewer instantiations).
@@ -152,7 +132,7 @@ routed run_router(Router r, const route_options& o, const inputs& in) {
   proxy.top_k = r.top_k;
   proxy.normalize = r.normalize;
   proxy.scaling_factor = r.scaling_factor;
-  mr::admission_inputs<float> ain{in.z.data(), in.n, in.e, idx.data(), gates.data()};
+  mr::admission_inputs<float> ain{in.z(), in.n, in.e, idx.data(), gates.data()};
   ain.hidden_norms = in.hidden_norms.data.empty() ? nullptr : in.hidden_norms.data.data();
   ain.weight_norms = in.weight_norms.data.empty() ? nullptr : in.weight_norms.data.data();
   res.indices.resize(slots);
@@ -242,7 +222,6 @@ void run_route(const route_options& o) {
   if (!o.expert_bias.empty()) in.expert_bias = vector_of(o.expert_bias, "--expert-bias", in.e, "E");
   if (!o.hidden_norms.empty()) in.hidden_norms = vector_of(o.hidden_norms, "--hidden-norms", in.n, "N");
   if (!o.weight_norms.empty()) in.weight_norms = vector_of(o.weight_norms, "--weight-norms", in.e, "E");
-  in.z = in.logits.data;
   if (!o.prior.empty()) {
     const array<float> pi = load_f32(o.prior, "--prior");
     if (pi.shape.size() != 2 || pi.dim(1) != static_cast<std::size_t>(in.e))
@@ -261,10 +240,17 @@ void run_route(const route_options& o) {
     p.rows = rows.data;
     p.bias.resize(pi.data.size());
     p.report = mr::prior::prepare(pi.data.data(), p.num_rows, in.e, p.bias.data(), nullptr, {o.prior_eps, o.prior_cap});
-    if (o.prior_mode == "soft")  // z' = z + beta b[r(t)]: bias_gates = true, the paper's form
+    // Routing applies the prior itself (route_cpu); admission ranks by the
+    // logits the gates came from, z' in soft mode (as the policy computes it).
+    if (o.prior_mode == "soft" && o.admission != "dropless" && o.beta != 0.0f) {
+      in.admission_logits = in.logits.data;
       for (std::int64_t t = 0; t < in.n; ++t)
         if (p.rows[t] >= 0)
-          for (int e = 0; e < in.e; ++e) in.z[t * in.e + e] += o.beta * p.bias[static_cast<std::size_t>(p.rows[t]) * in.e + e];
+          for (int e = 0; e < in.e; ++e) {
+            float& x = in.admission_logits[t * in.e + e];
+            x = mr::detail::fma(o.beta, p.bias[static_cast<std::size_t>(p.rows[t]) * in.e + e], x);
+          }
+    }
     in.prior = std::move(p);
   }
 
