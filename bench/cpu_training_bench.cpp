@@ -28,6 +28,17 @@
 // sigmoid + bias: near-ties may flip, reported); gates, dL/dz (rows with equal
 // indices) and penalty values within tolerance; a coefficient of 0 gives the
 // plain router's bits and value 0. It aborts if a check fails.
+//
+// Also, outside a router step (1 thread, no execution argument):
+//   prior_build/E64, /E256   prior::build<gating::softmax> of N = 16384 tokens
+//     into S = 64 rows (rows[t] = t S / N, every 10th token -1), against
+//     LibTorch softmax + index_add_ + division by bincount (torch_prior.cpp);
+//     checked: max |diff| <= 1e-6;
+//   router_l2/L27_2048x64    penalty::router_l2{1e4}.apply over 27 layers of
+//     2048 x 64 router weights (DeepSeek-V2-Lite-like), gradients accumulated,
+//     against LibTorch ((W - W0)^2).sum() (in double) * lambda / L and
+//     grad.add_((W - W0) * 2 lambda / L); checked: value rel diff <= 1e-9,
+//     gradients max |diff| / max |grad| <= 1e-6.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -49,6 +60,7 @@
 #define MOE_ROUTE_BENCH_WITH_TORCH 0
 #endif
 #if MOE_ROUTE_BENCH_WITH_TORCH
+#include "torch_prior.hpp"
 #include "torch_reference.hpp"
 #endif
 
@@ -264,6 +276,7 @@ moe_route_bench::torch_training& torch_for(const shape& s, variant v) {
 // ---------------------------------------------------------------- checks
 
 [[noreturn]] void die(const std::string& what) {
+  std::fflush(stdout);
   std::fprintf(stderr, "\n*** moe_route_cpu_training_bench: CHECK FAILED: %s\n*** aborting.\n", what.c_str());
   std::abort();
 }
@@ -329,6 +342,178 @@ void check(const shape& s, variant v) {
   if (gate_diff > 1e-5f || dz_diff > 1e-4f) die(name + ": gates or dL/dz differ from LibTorch's");
   if (value_rel > 1e-3) die(name + ": penalty values differ from LibTorch's");
 #endif
+}
+
+// ---------------------------------------------------------------- prior::build and router_l2
+
+constexpr std::int64_t build_rows = 64;  // S of the prior builder rows
+constexpr int l2_layers = 27;
+constexpr std::int64_t l2_size = 2048 * 64;
+constexpr float l2_lambda = 1e4f;
+
+struct build_case {
+  int experts;
+  std::vector<float> logits;       // N x E, normal(0, 1)
+  std::vector<std::int32_t> rows;  // t S / N, every 10th token -1
+  std::vector<float> prior;        // S x E
+  explicit build_case(int e) : experts(e), logits(static_cast<std::size_t>(num_tokens) * e), rows(num_tokens),
+                               prior(static_cast<std::size_t>(build_rows) * e) {
+    std::mt19937 gen(seed + 7000 + static_cast<std::uint32_t>(e));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (float& x : logits) x = normal(gen);
+    for (std::int64_t t = 0; t < num_tokens; ++t)
+      rows[t] = t % 10 == 0 ? -1 : static_cast<std::int32_t>(t * build_rows / num_tokens);
+  }
+  std::string name(bool torch) const {
+    return "prior_build/E" + std::to_string(experts) + (torch ? "/libtorch/t1" : "/library/t1");
+  }
+  void run_library() {
+    mr::prior::build<mr::gating::softmax>(mr::route_inputs<float>{logits.data(), num_tokens, experts}, rows.data(),
+                                          build_rows, prior.data());
+  }
+};
+
+struct l2_case {
+  std::vector<float> w, w0, grad;  // l2_layers x l2_size each
+  std::vector<mr::penalty::router_weights> layers;
+  l2_case() : w(l2_layers * l2_size), w0(w.size()), grad(w.size(), 0.0f), layers(l2_layers) {
+    std::mt19937 gen(seed + 9000);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      w0[i] = 0.02f * normal(gen);
+      w[i] = w0[i] + 1e-3f * normal(gen);
+    }
+    set_grad(grad.data());
+  }
+  void set_grad(float* g) {
+    for (int l = 0; l < l2_layers; ++l)
+      layers[l] = mr::penalty::router_weights{w.data() + l * l2_size, w0.data() + l * l2_size, l2_size,
+                                              g + l * l2_size};
+  }
+  static std::string name(bool torch) { return std::string("router_l2/L27_2048x64") + (torch ? "/libtorch/t1" : "/library/t1"); }
+  double run_library() { return mr::penalty::router_l2{l2_lambda}.apply(layers.data(), l2_layers); }
+};
+
+#if MOE_ROUTE_BENCH_WITH_TORCH
+moe_route_bench::torch_prior_build& torch_build_for(const build_case& c) {
+  static std::map<int, std::unique_ptr<moe_route_bench::torch_prior_build>> cache;
+  auto& slot = cache[c.experts];
+  if (!slot)
+    slot = std::make_unique<moe_route_bench::torch_prior_build>(c.logits.data(), num_tokens, c.experts, c.rows.data(),
+                                                                build_rows);
+  return *slot;
+}
+
+std::vector<moe_route_bench::torch_router_l2::layer> torch_layers(const l2_case& c, float* grad) {
+  std::vector<moe_route_bench::torch_router_l2::layer> out;
+  for (int l = 0; l < l2_layers; ++l)
+    out.push_back({c.w.data() + l * l2_size, c.w0.data() + l * l2_size, l2_size, grad + l * l2_size});
+  return out;
+}
+#endif
+
+void check_build(build_case& c) {
+  c.run_library();
+#if MOE_ROUTE_BENCH_WITH_TORCH
+  moe_route_bench::torch_router::set_threads(1);
+  auto& tb = torch_build_for(c);
+  tb.run();
+  std::vector<float> peer(c.prior.size());
+  tb.read(peer.data());
+  float diff = 0.0f;
+  for (std::size_t i = 0; i < peer.size(); ++i) diff = std::max(diff, std::abs(peer[i] - c.prior[i]));
+  std::printf("check %-34s libtorch: max |prior diff| %.3g\n", c.name(false).c_str(), static_cast<double>(diff));
+  if (!(diff <= 1e-6f)) die(c.name(false) + ": the prior differs from LibTorch's");
+#endif
+}
+
+void check_l2(l2_case& c) {
+  std::vector<float> g_lib(c.w.size()), g_torch(c.w.size());
+  std::mt19937 gen(seed + 9001);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& x : g_lib) x = normal(gen);  // an existing gradient to accumulate into
+  g_torch = g_lib;
+  c.set_grad(g_lib.data());
+  const double v_lib = c.run_library();
+  c.set_grad(c.grad.data());
+#if MOE_ROUTE_BENCH_WITH_TORCH
+  moe_route_bench::torch_router::set_threads(1);
+  moe_route_bench::torch_router_l2 peer(torch_layers(c, g_torch.data()), l2_lambda);
+  const double v_torch = peer.apply();
+  const double v_rel = std::abs(v_torch - v_lib) / std::abs(v_lib);
+  // Gradients: max |diff| over max |gradient| (elementwise relative differences
+  // are meaningless where the accumulated gradient cancels to near 0; the
+  // library rounds g + s (w - w0) once, LibTorch twice).
+  double g_diff = 0.0, g_max = 0.0;
+  for (std::size_t i = 0; i < g_lib.size(); ++i) {
+    g_diff = std::max(g_diff, std::abs(static_cast<double>(g_torch[i]) - g_lib[i]));
+    g_max = std::max(g_max, std::abs(static_cast<double>(g_lib[i])));
+  }
+  const double g_rel = g_diff / g_max;
+  std::printf("check %-34s libtorch: value %.10g vs %.10g, rel diff %.3g; max |grad diff| %.3g / max |grad| %.3g = "
+              "%.3g\n",
+              c.name(false).c_str(), v_lib, v_torch, v_rel, g_diff, g_max, g_rel);
+  if (!(v_rel <= 1e-9)) die(c.name(false) + ": the value differs from LibTorch's");
+  if (!(g_rel <= 1e-6)) die(c.name(false) + ": the gradients differ from LibTorch's");
+#else
+  (void)v_lib;
+#endif
+}
+
+// The LibTorch peer first, then the library.
+void register_extras(std::vector<std::unique_ptr<build_case>>& builds, l2_case& l2) {
+  for (auto& bp : builds) {
+    build_case* c = bp.get();
+#if MOE_ROUTE_BENCH_WITH_TORCH
+    benchmark::RegisterBenchmark(c->name(true).c_str(),
+                                 [c](benchmark::State& state) {
+                                   auto& tb = torch_build_for(*c);
+                                   moe_route_bench::torch_router::set_threads(1);
+                                   for (auto _ : state) {
+                                     tb.run();
+                                     benchmark::ClobberMemory();
+                                   }
+                                   state.SetItemsProcessed(state.iterations() * num_tokens);
+                                 })
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
+#endif
+    benchmark::RegisterBenchmark(c->name(false).c_str(),
+                                 [c](benchmark::State& state) {
+                                   for (auto _ : state) {
+                                     c->run_library();
+                                     benchmark::ClobberMemory();
+                                   }
+                                   state.SetItemsProcessed(state.iterations() * num_tokens);
+                                 })
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
+  }
+  l2_case* c = &l2;
+#if MOE_ROUTE_BENCH_WITH_TORCH
+  benchmark::RegisterBenchmark(l2_case::name(true).c_str(),
+                               [c](benchmark::State& state) {
+                                 moe_route_bench::torch_router::set_threads(1);
+                                 moe_route_bench::torch_router_l2 peer(torch_layers(*c, c->grad.data()), l2_lambda);
+                                 for (auto _ : state) {
+                                   benchmark::DoNotOptimize(peer.apply());
+                                   benchmark::ClobberMemory();
+                                 }
+                                 state.SetItemsProcessed(state.iterations() * l2_layers * l2_size);
+                               })
+      ->Unit(benchmark::kMicrosecond)
+      ->UseRealTime();
+#endif
+  benchmark::RegisterBenchmark(l2_case::name(false).c_str(),
+                               [c](benchmark::State& state) {
+                                 for (auto _ : state) {
+                                   benchmark::DoNotOptimize(c->run_library());
+                                   benchmark::ClobberMemory();
+                                 }
+                                 state.SetItemsProcessed(state.iterations() * l2_layers * l2_size);
+                               })
+      ->Unit(benchmark::kMicrosecond)
+      ->UseRealTime();
 }
 
 // ---------------------------------------------------------------- benchmarks
@@ -469,6 +654,22 @@ void print_table(const std::vector<const shape*>& shapes, const ratio_reporter& 
     }
 }
 
+void print_extras(const std::vector<std::string>& names, const ratio_reporter& rep) {
+  bool any = false;
+  for (const std::string& n : names) any = any || rep.best.count(n + "/library/t1") != 0;
+  if (!any) return;
+  std::printf("\nOutside the router step, 1 thread, calling thread's CPU time, fastest repetition. lib/torch < 1: the "
+              "library is faster.\n\n| case | lib µs | LibTorch µs | lib/torch |\n|---|---:|---:|---:|\n");
+  for (const std::string& n : names) {
+    const auto l = rep.best.find(n + "/library/t1"), t = rep.best.find(n + "/libtorch/t1");
+    if (l == rep.best.end()) continue;
+    if (t == rep.best.end())
+      std::printf("| %s | %.0f | - | - |\n", n.c_str(), l->second * 1e6);
+    else
+      std::printf("| %s | %.0f | %.0f | %.2f |\n", n.c_str(), l->second * 1e6, t->second * 1e6, l->second / t->second);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -488,10 +689,21 @@ int main(int argc, char** argv) {
   for (const shape* s : shapes)
     for (variant v : variants) check(*s, v);
 
+  std::vector<std::unique_ptr<build_case>> builds;
+  builds.push_back(std::make_unique<build_case>(64));
+  builds.push_back(std::make_unique<build_case>(256));
+  l2_case l2;
+  for (auto& c : builds) check_build(*c);
+  check_l2(l2);
+
   register_all(shapes);
+  register_extras(builds, l2);
   ratio_reporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
-  print_table(shapes, reporter);
+  bool any_step = false;  // skip the table when --benchmark_filter left out every step
+  for (const auto& [name, t] : reporter.best) any_step = any_step || name.compare(0, 5, "step/") == 0;
+  if (any_step) print_table(shapes, reporter);
+  print_extras({"prior_build/E64", "prior_build/E256", "router_l2/L27_2048x64"}, reporter);
   benchmark::Shutdown();
   return 0;
 }
