@@ -76,6 +76,15 @@ if(MOE_ROUTE_BUILD_TOOLS)
     set_target_properties(moe_route_cli PROPERTIES OUTPUT_NAME moe-route)
     target_link_libraries(moe_route_cli PRIVATE moe_route::analysis moe_route_project_flags CLI11::CLI11
                           nlohmann_json::nlohmann_json xtensor)
+    # --backend cuda: one CUDA translation unit (route_cuda.cu) when the project
+    # has the CUDA backend, built for the project's CMAKE_CUDA_ARCHITECTURES.
+    if(MOE_ROUTE_HAS_CUDA)
+      target_sources(moe_route_cli PRIVATE tools/moe-route/route_cuda.cu)
+      target_link_libraries(moe_route_cli PRIVATE moe_route::cuda CUDA::cudart)
+      target_compile_definitions(moe_route_cli PRIVATE MOE_ROUTE_CLI_CUDA=1)
+      target_compile_options(moe_route_cli PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--threads=0>)
+      set_target_properties(moe_route_cli PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}")
+    endif()
     install(TARGETS moe_route_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
     set(moe_route_cli_target moe_route_cli)
   else()

@@ -1,7 +1,11 @@
 // moe-route route: runs a router (gating, selection, optional prior and
-// admission) on logits [N x E] from a .npy file on the CPU backend and writes
+// admission) on logits [N x E] from a .npy file on the CPU backend (or, in a
+// CUDA build, with --backend cuda on the GPU: route_cuda.cu) and writes
 // indices, gates, dispatch metadata and workload statistics.
 #include "common.hpp"
+#ifdef MOE_ROUTE_CLI_CUDA
+#include "route_cuda.hpp"
+#endif
 
 #include <moe_route/moe_route.hpp>
 
@@ -175,6 +179,57 @@ routed with_selection(const route_options& o, const inputs& in) {
   return run_router(mr::router<Gating, mr::selection::top_k, K>{}, o, in);
 }
 
+#ifdef MOE_ROUTE_CLI_CUDA
+// --backend cuda: the same routing on the GPU (route_cuda.cu).
+routed run_cuda(const route_options& o, const inputs& in) {
+  if (o.gating == "softmax_after_topk" && !o.expert_bias.empty())
+    throw usage_error("--gating softmax_after_topk cannot be combined with --expert-bias");
+  cuda_route_args a;
+  a.k = o.k;
+  a.gating = o.gating;
+  a.normalize_set = o.normalize_set;
+  a.normalize = o.normalize;
+  a.scaling = o.scaling;
+  a.groups = o.groups;
+  a.top_groups = o.top_groups;
+  a.per_group_k = o.per_group_k;
+  a.admission = o.admission;
+  a.tau = o.tau;
+  a.capacity_factor = o.capacity_factor;
+  a.min_capacity = o.min_capacity;
+  a.fill_factor = o.fill_factor;
+  if (in.prior) {
+    a.prior_mode = o.prior_mode == "soft" ? cuda_route_args::prior::soft : cuda_route_args::prior::hard;
+    a.beta = o.beta;
+    a.prior_bias = in.prior->bias.data();
+    a.prior_rows = in.prior->num_rows;
+    a.token_prior_row = in.prior->rows.data();
+  }
+  a.logits = in.logits.data.data();
+  a.admission_logits = in.z();
+  a.n = in.n;
+  a.e = in.e;
+  a.expert_bias = in.expert_bias.data.empty() ? nullptr : in.expert_bias.data.data();
+  a.hidden_norms = in.hidden_norms.data.empty() ? nullptr : in.hidden_norms.data.data();
+  a.weight_norms = in.weight_norms.data.empty() ? nullptr : in.weight_norms.data.data();
+  cuda_route_result c = route_cuda(a);
+  routed res;
+  res.indices = std::move(c.indices);
+  res.gates = std::move(c.gates);
+  res.slots = c.slots;
+  res.nonfinite_rows = c.nonfinite_rows;
+  if (c.expert_choice)
+    res.admission = {{"assignments", c.expert_choice_report.assignments},
+                     {"tokens_without_experts", c.expert_choice_report.tokens_without_experts},
+                     {"max_experts_per_token", c.expert_choice_report.max_experts_per_token}};
+  else
+    res.admission = admission_json(c.admission);
+  if (in.prior && o.prior_mode == "hard")
+    res.hard_prior_tokens = std::count_if(in.prior->rows.begin(), in.prior->rows.end(), [](std::int32_t x) { return x >= 0; });
+  return res;
+}
+#endif
+
 void check_options(const route_options& o) {
   if (o.k < 1 || o.k > mr::max_top_k) throw usage_error("--k must be in [1, " + std::to_string(mr::max_top_k) + "]");
   if (o.groups < 0) throw usage_error("--groups must be >= 0");
@@ -200,9 +255,14 @@ void check_options(const route_options& o) {
 
 void run_route(const route_options& o) {
   check_options(o);
+#ifdef MOE_ROUTE_CLI_CUDA
+  if (o.backend == "cuda")
+    if (const std::string problem = cuda_device_problem(); !problem.empty()) throw data_error(problem);
+#else
   if (o.backend == "cuda")
     throw data_error("--backend cuda: this moe-route is built without the CUDA backend (the CLI routes on the CPU; "
                      "use the library's moe_route::cuda from C++ for GPU routing)");
+#endif
   inputs in;
   in.logits = load_f32(o.logits, "--logits");
   if (in.logits.shape.size() != 2)
@@ -255,6 +315,10 @@ void run_route(const route_options& o) {
   }
 
   routed res;
+#ifdef MOE_ROUTE_CLI_CUDA
+  if (o.backend == "cuda") res = run_cuda(o, in);
+  else
+#endif
   if (o.gating == "softmax") res = with_selection<mr::gating::softmax>(o, in);
   else if (o.gating == "sigmoid") res = with_selection<mr::gating::sigmoid>(o, in);
   else if (o.gating == "sqrt_softplus") res = with_selection<mr::gating::sqrt_softplus>(o, in);
@@ -334,7 +398,7 @@ void add_route(CLI::App& app) {
   c->add_option("--fill-factor", o->fill_factor, "reroute fill factor (cipher_reroute)");
   c->add_option("--hidden-norms", o->hidden_norms, "hidden-state norms XN.npy, float32 [N] (cosine affinity)");
   c->add_option("--weight-norms", o->weight_norms, "router weight norms WN.npy, float32 [E] (cosine affinity)");
-  c->add_option("--backend", o->backend, "backend")->check(CLI::IsMember({"cpu", "cuda"}));
+  c->add_option("--backend", o->backend, "backend (cuda: a CUDA build with a GPU)")->check(CLI::IsMember({"cpu", "cuda"}));
   c->add_option("--threads", o->threads, "CPU threads (default 1)");
   c->add_option("--out", o->out, "output directory")->required();
   c->callback([o] { run_route(*o); });

@@ -86,8 +86,36 @@ moe_route_cli_test(route_cipher_without_norms 2 MATCH "hidden-norms"
   ARGS route --logits ${F}/logits_base.npy --k 2 --admission cipher_strict --tau 0.1 --out ${F}/e7)
 moe_route_cli_test(route_topk_softmax_with_bias 2
   ARGS route --logits ${F}/logits_base.npy --k 2 --gating softmax_after_topk --expert-bias ${F}/expert_bias.npy --out ${F}/e7)
-moe_route_cli_test(route_cuda_backend 1 ABSENT ${F}/e8/indices.npy MATCH "CUDA"
-  ARGS route --logits ${F}/logits_base.npy --k 2 --backend cuda --out ${F}/e8)
+if(NOT MOE_ROUTE_HAS_CUDA)
+  # Built without CUDA: --backend cuda is a data error that says so.
+  moe_route_cli_test(route_cuda_backend 1 ABSENT ${F}/e8/indices.npy MATCH "CUDA"
+    ARGS route --logits ${F}/logits_base.npy --k 2 --backend cuda --out ${F}/e8)
+else()
+  # A CUDA build: with a device the GPU run must match the CPU run byte for
+  # byte; without one it must exit 1 naming the problem (cuda_backend.cmake).
+  set(P "--prior,${F}/prior.npy,--prior-rows,${F}/prior_rows.npy")
+  set(N "--hidden-norms,${F}/hidden_norms.npy,--weight-norms,${F}/weight_norms.npy")
+  set(cuda_cases
+    "base|--logits,${F}/logits_base.npy,--k,2"
+    "prior_soft|--logits,${F}/logits_post.npy,--k,2,${P},--beta,0.7,--prior-mode,soft"
+    "prior_hard|--logits,${F}/logits_post.npy,--k,2,${P},--prior-mode,hard,--gating,sigmoid,--normalize"
+    "sigmoid_bias_groups|--logits,${F}/logits_base.npy,--k,4,--gating,sigmoid,--normalize,--scaling,2.5,--expert-bias,${F}/expert_bias.npy,--groups,4,--top-groups,2"
+    "sqrt_softplus_bias|--logits,${F}/logits_base.npy,--k,3,--gating,sqrt_softplus,--expert-bias,${F}/expert_bias.npy"
+    "softmax_after_topk|--logits,${F}/logits_base.npy,--k,2,--gating,softmax_after_topk"
+    "capacity_probs_soft|--logits,${F}/logits_post.npy,--k,2,${P},--prior-mode,soft,--admission,capacity_probs,--capacity-factor,0.8,--min-capacity,4"
+    "cipher_reroute|--logits,${F}/logits_base.npy,--k,2,--admission,cipher_reroute,--tau,0.0,--capacity-factor,1.0,--fill-factor,1.0,${N}"
+    "expert_choice|--logits,${F}/logits_base.npy,--k,2,--admission,expert_choice,--capacity-factor,1.0")
+  foreach(c IN LISTS cuda_cases)
+    # "name|arg,arg,...": no ';' inside a case, so that each is one list item.
+    string(REPLACE "|" ";" c "${c}")
+    string(REPLACE "," ";" c "${c}")
+    list(GET c 0 cname)
+    list(REMOVE_AT c 0)
+    add_test(NAME cli_route_cuda_${cname}
+      COMMAND ${CMAKE_COMMAND} -DOUT=${F}/cuda_${cname} -P ${CMAKE_CURRENT_LIST_DIR}/cuda_backend.cmake -- ${CLI} route ${c})
+    set_tests_properties(cli_route_cuda_${cname} PROPERTIES FIXTURES_REQUIRED moe_route_cli)
+  endforeach()
+endif()
 moe_route_cli_test(no_subcommand 2 ARGS)
 
 # --- analyze.
