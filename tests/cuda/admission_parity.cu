@@ -389,6 +389,16 @@ TEST_CASE("cuda expert_choice == cpu expert_choice, and its dispatch" * doctest:
     CHECK(dr.tokens_without_experts == crep.tokens_without_experts);
     CHECK(dr.max_experts_per_token == crep.max_experts_per_token);
     CHECK(dr.invalid == 0);
+    // Backward of the expert-choice gates.
+    {
+      std::vector<float> dg(pairs), cdz(pairs);
+      for (std::int64_t i = 0; i < pairs; ++i) dg[i] = static_cast<float>(static_cast<int>(i % 9) - 4) / 8.0f;
+      mr::cpu::expert_choice_backward(hin, cidx.data(), dg.data(), cdz.data());
+      device_vector<float> ddg(dg), ddz(pairs);
+      mr::cuda::expert_choice_backward(din, didx.get(), ddg.get(), ddz.get());
+      cuda_ok(cudaDeviceSynchronize(), "expert_choice_backward");
+      CHECK(same_bits(ddz.download(), cdz));
+    }
     // Dispatch with S = E.
     const std::int64_t bound = mr::dispatch_rows_bound(b.N, b.E, b.E, 16);
     std::vector<std::int64_t> counts(b.E), offsets(b.E + 1), perm(bound), inv(pairs);

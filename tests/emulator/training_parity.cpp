@@ -13,6 +13,7 @@
 
 #include "warp_emulator.hpp"
 #include <moe_route/moe_route.hpp>
+#include <moe_route/backend/cuda/agent_expert_choice.cuh>
 #include <moe_route/backend/cuda/agent_prior.cuh>
 #include <moe_route/backend/cuda/agent_training.cuh>
 
@@ -286,6 +287,28 @@ TEST_CASE("emulated CUDA prior builder: bit-identical to prior::build") {
       emu::run<int>([&] { cd::build_prior_row<emu::warp, mr::gating::softmax>(p, t); return 0; });
     std::vector<float> device(S * E);
     for (std::int64_t i = 0; i < S * E; ++i) device[i] = mr::prior::fixed_point_mean(sums[i], tokens[i / E]);
+    CHECK(same_bits(device, cpu));
+  }
+}
+
+TEST_CASE("emulated CUDA expert-choice backward: bit-identical to cpu::expert_choice_backward") {
+  for (int E : {8, 45, 130}) {
+    const batch b(40, E, 500 + E);
+    mr::selection::expert_choice policy;
+    policy.top_k = 2;
+    const mr::expert_choice_inputs<float> in{b.z.data(), b.N, E};
+    std::vector<std::int32_t> idx(b.N * E);
+    std::vector<float> gates(b.N * E);
+    mr::cpu::expert_choice(policy, in, mr::expert_choice_outputs{idx.data(), gates.data()});
+    std::vector<float> dg(b.N * E), cpu(b.N * E), device(b.N * E, -7.0f);
+    for (std::size_t i = 0; i < dg.size(); ++i) dg[i] = static_cast<float>(static_cast<int>(i % 9) - 4) / 8.0f;
+    mr::cpu::expert_choice_backward(in, idx.data(), dg.data(), cpu.data());
+    for (std::int64_t t = 0; t < b.N; ++t)
+      emu::run<int>([&] {
+        cd::expert_choice_backward_row<emu::warp>(b.z.data() + t * E, idx.data() + t * E, dg.data() + t * E, E,
+                                                  device.data() + t * E);
+        return 0;
+      });
     CHECK(same_bits(device, cpu));
   }
 }

@@ -15,7 +15,8 @@
 //   experts_per_token [N] (optional) how many entries of row t are set
 // Dispatch metadata (admission/dispatch.hpp) takes this output with S = E.
 // Gradient: dz_t = s_t * (ds - <ds, s_t>) with ds the gate gradients placed at
-// the chosen experts (cpu::expert_choice_backward); the dot runs in row order.
+// the chosen experts (cpu::expert_choice_backward, cuda::expert_choice_backward);
+// the dot runs in the canonical 32-lane order.
 //
 // This is a stage of its own, not a router selection: it replaces route +
 // admit (the router's gating is not used).

@@ -117,7 +117,8 @@ expert_choice_report expert_choice(const selection::expert_choice& p, const expe
 
 // dL/dz [N x E] (overwritten) from dL/dgates [N x E] of an expert_choice
 // result: dz_t = s_t * (ds - <ds, s_t>), ds = the gate gradients at the
-// chosen experts (entries with index -1 are ignored), the dot in row order.
+// chosen experts (entries with index -1 are ignored), the dot in the canonical
+// lane order; cuda::expert_choice_backward gives the same bits.
 template <class T>
 void expert_choice_backward(const expert_choice_inputs<T>& in, const std::int32_t* indices, const float* grad_gates,
                             float* grad_logits, execution ex = {}) {
@@ -142,9 +143,15 @@ void expert_choice_backward(const expert_choice_inputs<T>& in, const std::int32_
       const std::int32_t* idx = indices + t * e_count;
       const float* dg = grad_gates + t * e_count;
       float* dz = grad_logits + t * e_count;
-      float dot = 0.0f;
+      // <ds, s> in the canonical lane order (slot j in lane j mod 32), as a CUDA warp computes it.
+      float lanes[num::reduction_lanes] = {};
       for (int j = 0; j < e_count; ++j)
-        if (idx[j] >= 0) dot = num::fma(dg[j], gate_input<gating::softmax>(buf.v[idx[j]], st), dot);
+        if (idx[j] >= 0)
+          lanes[j % num::reduction_lanes] =
+              num::fma(dg[j], gate_input<gating::softmax>(buf.v[idx[j]], st), lanes[j % num::reduction_lanes]);
+      for (int offset = num::reduction_lanes / 2; offset > 0; offset >>= 1)
+        for (int l = 0; l < offset; ++l) lanes[l] = lanes[l] + lanes[l + offset];
+      const float dot = lanes[0];
       for (int e = 0; e < e_count; ++e) dz[e] = gate_input<gating::softmax>(buf.v[e], st) * -dot;
       for (int j = 0; j < e_count; ++j)
         if (idx[j] >= 0) dz[idx[j]] = gate_input<gating::softmax>(buf.v[idx[j]], st) * (dg[j] - dot);

@@ -2,6 +2,7 @@
 //
 //   std::size_t cuda::expert_choice_workspace_size(policy, num_tokens, num_experts, num_groups = 1)
 //   void cuda::expert_choice(policy, expert_choice_inputs, expert_choice_outputs, workspace, bytes, stream)
+//   void cuda::expert_choice_backward(expert_choice_inputs, indices, grad_gates, grad_logits, stream)
 //
 // Same bits as cpu::expert_choice: canonical softmax scores, every (group,
 // expert) ranks all its tokens by rank_key(s_{t,e}, t) through the stable
@@ -23,7 +24,9 @@
 #include "../../admission/validate.hpp"
 #include "../../gating/softmax.hpp"
 #include "admission_common.cuh"
+#include "agent_expert_choice.cuh"
 #include "error.cuh"
+#include "kernels.cuh"
 #include "route.cuh"
 
 namespace moe_route::cuda {
@@ -246,6 +249,40 @@ void expert_choice(const selection::expert_choice& p, const expert_choice_inputs
         out.indices, in.group_ids, n_tokens, in.num_experts, in.num_groups, out.report);
     ad::check_launch("moe_route::cuda::expert_choice: launch of ec_report_kernel");
   }
+}
+
+namespace detail {
+
+template <class T>
+MOE_ROUTE_KERNEL void __launch_bounds__(tuning::max_block_threads)
+    expert_choice_backward_kernel(const T* logits, std::int64_t num_tokens, int num_experts,
+                                  const std::int32_t* indices, const float* grad_gates, float* grad_logits) {
+  for (std::int64_t t = warp_first_token(); t < num_tokens; t += warp_stride()) {
+    const std::int64_t row = t * num_experts;
+    expert_choice_backward_row<cuda_warp>(logits + row, indices + row, grad_gates + row, num_experts,
+                                          grad_logits + row);
+  }
+}
+
+}  // namespace detail
+
+// dL/dz [N x E] (overwritten) from dL/dgates [N x E] of an expert_choice result:
+// the bits of cpu::expert_choice_backward. Device pointers; one kernel on `stream`.
+template <class T>
+void expert_choice_backward(const expert_choice_inputs<T>& in, const std::int32_t* indices, const float* grad_gates,
+                            float* grad_logits, cudaStream_t stream = 0) {
+  using moe_route::detail::fail;
+  if (in.num_tokens < 0) fail("num_tokens must be >= 0");
+  if (in.num_experts < 1 || in.num_experts > max_experts) fail("num_experts must be in [1, max_experts]");
+  if (in.num_tokens == 0) return;
+  if (in.logits == nullptr || indices == nullptr || grad_gates == nullptr || grad_logits == nullptr)
+    fail("expert_choice_backward: logits, indices, grad_gates and grad_logits must not be null");
+  using S = detail::storage_t<T>;
+  constexpr tuning::launch_policy policy = tuning::backward_general;
+  detail::expert_choice_backward_kernel<S>
+      <<<static_cast<unsigned>(policy.blocks_for(in.num_tokens)), policy.block_threads(), 0, stream>>>(
+          detail::storage_pointer(in.logits), in.num_tokens, in.num_experts, indices, grad_gates, grad_logits);
+  detail::check_launch("moe_route::cuda::expert_choice_backward: launch of the backward kernel");
 }
 
 }  // namespace moe_route::cuda
