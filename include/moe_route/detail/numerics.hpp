@@ -144,16 +144,16 @@ MOE_ROUTE_HD float log1p_unit(float u) {
 // negative inputs give NaN, +inf stays +inf). x = m 2^k with m in [0.75, 1.5),
 // log x = k ln 2 + 2 atanh((m - 1) / (m + 1)), |s| <= 0.2: within 2 ulp.
 MOE_ROUTE_HD float log(float x) {
-  if (!(x > 0.0f)) return x == 0.0f ? -infinity() : bits_to_float(0x7fc00000u);
-  if (x == infinity()) return x;
-  if (x < 1.17549435e-38f) x = 1.17549435e-38f;  // subnormals: clamp to the smallest normal
-  const std::uint32_t u = float_to_bits(x);
-  int k = static_cast<int>((u >> 23) & 0xffu) - 127;
-  float m = bits_to_float((u & 0x007fffffu) | 0x3f800000u);  // [1, 2)
-  if (m >= 1.5f) {
-    m = m * 0.5f;
-    k += 1;
-  }
+  // Branch-free like exp: a safe argument for the evaluation, the special
+  // cases applied as bit-mask selects at the end.
+  const bool regular = x > 0.0f && x != infinity();
+  float xc = regular ? x : 1.0f;
+  xc = xc < 1.17549435e-38f ? 1.17549435e-38f : xc;  // subnormals: clamp to the smallest normal
+  const std::uint32_t u = float_to_bits(xc);
+  const float m1 = bits_to_float((u & 0x007fffffu) | 0x3f800000u);  // [1, 2)
+  const int upper = m1 >= 1.5f ? 1 : 0;
+  const float m = upper ? m1 * 0.5f : m1;
+  const int k = static_cast<int>((u >> 23) & 0xffu) - 127 + upper;
   const float s = div(m - 1.0f, m + 1.0f);
   const float s2 = s * s;
   float p = 1.0f / 13.0f;
@@ -165,7 +165,14 @@ MOE_ROUTE_HD float log(float x) {
   const float half = fma(s * s2, p, s);
   // k ln 2 in two parts so the sum rounds once at the end.
   const float kf = static_cast<float>(k);
-  return fma(kf, 0.693145751953125f, fma(kf, 1.428606765330187045e-06f, half + half));
+  std::uint32_t y = float_to_bits(fma(kf, 0.693145751953125f, fma(kf, 1.428606765330187045e-06f, half + half)));
+  const std::uint32_t zero = 0u - static_cast<std::uint32_t>(x == 0.0f);      // log(+-0) = -inf
+  const std::uint32_t invalid = 0u - static_cast<std::uint32_t>(!(x >= 0.0f));  // negative or NaN: NaN
+  const std::uint32_t inf = 0u - static_cast<std::uint32_t>(x == infinity());  // log(inf) = inf
+  y = (y & ~zero) | (0xff800000u & zero);
+  y = (y & ~invalid) | (0x7fc00000u & invalid);
+  y = (y & ~inf) | (0x7f800000u & inf);
+  return bits_to_float(y);
 }
 
 // Logistic function, accurate in relative terms on both tails.
