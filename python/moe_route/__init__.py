@@ -1,0 +1,16 @@
+"""moe_route: Mixture-of-Experts router policies (gating, selection, Router Prior
+Bias, penalties, CIPHER-style admission, expert choice) with fused, deterministic
+forward and backward, as PyTorch ops and modules. See docs/python.md."""
+
+from . import _C, prior
+from .config import GATINGS, PENALTIES, PRIORS, SELECTIONS, Admission, RouterConfig
+from .functional import (Dispatch, ExpertChoiceResult, RouteResult, dispatch, expert_choice, route, router_l2,
+                         update_expert_bias)
+from .modules import Router
+
+with_cuda = bool(_C.with_cuda)
+max_top_k = int(_C.max_top_k)
+
+__all__ = ["Admission", "Dispatch", "ExpertChoiceResult", "GATINGS", "PENALTIES", "PRIORS", "Router",
+           "RouteResult", "RouterConfig", "SELECTIONS", "dispatch", "expert_choice", "max_top_k", "prior", "route",
+           "router_l2", "update_expert_bias", "with_cuda"]

@@ -1,0 +1,133 @@
+"""Router and admission configurations: plain dataclasses whose fields are the
+library's run-time parameters (include/moe_route/runtime.hpp)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from . import _C
+
+GATINGS = ("softmax", "sigmoid", "sqrt_softplus", "softmax_after_topk")
+SELECTIONS = ("top_k", "expert_bias", "group_limited", "group_limited_bias", "fixed")
+PRIORS = ("none", "log_prior_bias", "prior_override")
+PENALTIES = tuple(_C.penalty_names)
+
+
+@dataclass
+class RouterConfig:
+    """One router: gating, selection, prior policy and penalty coefficients.
+
+    A penalty with coefficient 0 is off (value 0, no gradient). ``normalize``
+    None takes the gating's default (sigmoid and sqrt_softplus normalise).
+    """
+
+    gating: str = "softmax"
+    selection: str = "top_k"
+    top_k: int = 2
+    normalize: Optional[bool] = None
+    scaling_factor: float = 1.0
+    # group_limited / group_limited_bias
+    groups: int = 1
+    top_groups: int = 1
+    per_group_k: int = 2
+    # expert_bias / group_limited_bias: b_e += rate * sign(mean load - load_e)
+    bias_update_rate: float = 1e-3
+    # prior policy (RPB): log_prior_bias adds beta * b[r(t)] in training;
+    # prior_override takes the prior's top-K in training
+    prior: str = "none"
+    prior_beta: float = 1.0
+    bias_gates: bool = True
+    # penalties
+    load_balance: float = 0.0
+    load_balance_scope: str = "batch"
+    z_loss: float = 0.0
+    kl_to_base: float = 0.0
+    logit_l2: float = 0.0
+    locality: float = 0.0
+    locality_epsilon: float = 1e-3
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "RouterConfig":
+        """A published model's router (deepseek_v2_lite, moonlight, deepseek_v3,
+        qwen3, mixtral, deepseek_v4), with any field overridden."""
+        fields = dict(_C.preset(name))
+        fields.pop("num_experts")
+        fields.update(overrides)
+        return cls(**fields)
+
+    @staticmethod
+    def preset_experts(name: str) -> int:
+        """E of the preset's model."""
+        return int(_C.preset(name)["num_experts"])
+
+    @property
+    def uses_expert_bias(self) -> bool:
+        return self.selection in ("expert_bias", "group_limited_bias")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        if d["normalize"] is None:
+            d["normalize"] = _C.normalizes_by_default(self.gating)
+        return d
+
+
+@dataclass
+class Admission:
+    """Capacity-bounded admission after routing (docs/admission.md).
+
+    Build one with the presets: dropless(), cipher_strict(tau),
+    cipher_reroute(tau), locmoe(capacity_factor), capacity_position(cf),
+    capacity_probs(cf).
+    """
+
+    kind: str = "dropless"  # "dropless" or "capacity"
+    affinity: str = "probability"  # position | probability | logit | cosine
+    overflow: str = "drop"  # drop | reroute
+    threshold: float = -math.inf
+    capacity_factor: float = 1.0
+    min_capacity: int = 0
+    renormalize: bool = False
+    fill_factor: float = 4.0
+    max_rounds: int = -1
+
+    @property
+    def is_dropless(self) -> bool:
+        return self.kind == "dropless"
+
+    @property
+    def needs_norms(self) -> bool:
+        return not self.is_dropless and self.affinity == "cosine"
+
+    @property
+    def renormalizes(self) -> bool:
+        return not self.is_dropless and self.overflow == "drop" and self.renormalize
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def dropless(cls) -> "Admission":
+        return cls()
+
+    @classmethod
+    def cipher_strict(cls, tau: float, capacity_factor: float = 8.0, renormalize: bool = False) -> "Admission":
+        return cls("capacity", "cosine", "drop", tau, capacity_factor, renormalize=renormalize)
+
+    @classmethod
+    def cipher_reroute(cls, tau: float, capacity_factor: float = 8.0, fill_factor: float = 4.0) -> "Admission":
+        return cls("capacity", "cosine", "reroute", tau, capacity_factor, fill_factor=fill_factor)
+
+    @classmethod
+    def locmoe(cls, capacity_factor: float, tau: float = 0.01) -> "Admission":
+        return cls("capacity", "cosine", "drop", tau, capacity_factor)
+
+    @classmethod
+    def capacity_position(cls, capacity_factor: float, min_capacity: int = 0) -> "Admission":
+        return cls("capacity", "position", "drop", capacity_factor=capacity_factor, min_capacity=min_capacity)
+
+    @classmethod
+    def capacity_probs(cls, capacity_factor: float, min_capacity: int = 0) -> "Admission":
+        return cls("capacity", "probability", "drop", capacity_factor=capacity_factor, min_capacity=min_capacity)

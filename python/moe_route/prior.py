@@ -1,0 +1,33 @@
+"""The Router Prior Bias prior (RPB §3): build it from a frozen base router's
+logits, then prepare it (clamp, renormalise, centred log) for routing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+from . import _C
+from .functional import _as_logits
+
+
+@dataclass
+class PreparedPrior:
+    bias: torch.Tensor  # [S, E] centred log prior b (route's prior_bias)
+    probs: torch.Tensor  # [S, E] clamped, renormalised prior (route's prior_probs, for kl_to_base)
+    upper_clamped: int
+    lower_clamped: int
+
+
+def prepare(pi: torch.Tensor, *, epsilon: float = 0.05, cap: float = 5.0) -> PreparedPrior:
+    """Clamp each row of pi [S, E] to [epsilon/E, cap/E], renormalise, take the centred log."""
+    bias, probs, report = _C.prior_prepare(pi, float(epsilon), float(cap))
+    return PreparedPrior(bias, probs, report["upper_clamped"], report["lower_clamped"])
+
+
+def build(logits: torch.Tensor, rows: torch.Tensor, num_rows: int, gating: str = "softmax"):
+    """pi[r] = mean of the base router's routing distribution over the tokens with
+    rows[t] == r (rows[t] = -1: left out). Returns (pi [S, E], empty rows)."""
+    pi, empty = _C.prior_build(_as_logits(logits), rows, int(num_rows), gating)
+    return pi, list(empty)
