@@ -3,7 +3,10 @@
 # Debian 12 packages. Idempotent: packages already present are left alone.
 set -euo pipefail
 
-packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libtorch-dev pkgconf libigraph-dev libcli11-dev nlohmann-json3-dev libxtensor-dev gnuplot-nox)
+packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libtorch-dev pkgconf libigraph-dev libcli11-dev
+          nlohmann-json3-dev libxtensor-dev gnuplot-nox
+          python3-dev python3-torch python3-pybind11 pybind11-dev python3-pytest python3-numpy
+          libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,259 @@
+// runtime.hpp: a router configured at run time routes, admits and
+// differentiates exactly as the router written as a type, fills the inputs of
+// policies that are off, and names the bad field or the missing input.
+#include <moe_route/runtime.hpp>
+
+#include <cstring>
+
+#include "reference.hpp"
+
+namespace mr = moe_route;
+namespace rt = moe_route::runtime;
+
+namespace {
+
+struct typed_run {
+  std::vector<std::int32_t> indices;
+  std::vector<float> gates, grad;
+};
+
+template <class Router>
+typed_run run_typed(const Router& r, const mr::route_inputs<float>& in, const std::vector<float>& dw) {
+  typed_run o;
+  o.indices.resize(static_cast<std::size_t>(in.num_tokens * r.top_k));
+  o.gates.resize(o.indices.size());
+  o.grad.resize(static_cast<std::size_t>(in.num_tokens * in.num_experts));
+  mr::cpu::route(r, in, mr::route_outputs{o.indices.data(), o.gates.data()});
+  mr::cpu::backward(r, in, mr::backward_args{o.indices.data(), dw.data(), o.grad.data()});
+  return o;
+}
+
+template <class Gating>
+typed_run run_runtime(const rt::router_config& c, const mr::route_inputs<float>& in, const std::vector<float>& dw,
+                      std::vector<double>* values = nullptr) {
+  typed_run o;
+  o.indices.resize(static_cast<std::size_t>(in.num_tokens * c.top_k));
+  o.gates.resize(o.indices.size());
+  o.grad.resize(static_cast<std::size_t>(in.num_tokens * in.num_experts));
+  std::vector<double> v(rt::num_penalties);
+  std::vector<unsigned char> ws(rt::workspace_bytes(c, in.num_tokens, in.num_experts));
+  mr::route_outputs out{o.indices.data(), o.gates.data()};
+  out.penalty_values = v.data();
+  out.workspace = ws.data();
+  out.workspace_bytes = ws.size();
+  rt::route_with<Gating>(c, in, out, {});
+  mr::backward_args b{o.indices.data(), dw.data(), o.grad.data()};
+  b.workspace = ws.data();
+  b.workspace_bytes = ws.size();
+  rt::backward_with<Gating>(c, in, b, {});
+  if (values) *values = v;
+  return o;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("runtime router: every selection and prior kind routes and differentiates as the typed router") {
+  ref::rng g(71);
+  const std::int64_t N = 97;
+  const int E = 48;
+  const auto z = ref::random_logits<float>(g, N, E, 1.5);
+  const auto bias = ref::random_bias(g, E, 0.05);
+  const auto dw = ref::random_logits<float>(g, N, 3, 1.0);
+  mr::route_inputs<float> in{z.data(), N, E, bias.data()};
+
+  rt::router_config c;
+  c.gating = rt::gating_kind::sigmoid;
+  c.top_k = 3;
+  c.normalize = true;
+  c.scaling_factor = 2.5f;
+  c.groups = 8;
+  c.top_groups = 3;
+  c.per_group_k = 2;
+
+  SUBCASE("top_k") {
+    c.selection = rt::selection_kind::top_k;
+    mr::router<mr::gating::sigmoid, mr::selection::top_k, 8> r;
+    r.top_k = 3, r.normalize = true, r.scaling_factor = 2.5f;
+    const auto a = run_typed(r, in, dw);
+    const auto b = run_runtime<mr::gating::sigmoid>(c, in, dw);
+    CHECK(a.indices == b.indices);
+    CHECK(same_bits(a.gates, b.gates));
+    CHECK(same_bits(a.grad, b.grad));
+  }
+  SUBCASE("group_limited_bias (DeepSeek-V3 shape)") {
+    c.selection = rt::selection_kind::group_limited_bias;
+    auto r = mr::presets::deepseek_v3();
+    r.top_k = 3;
+    r.selection.groups = 8, r.selection.top_groups = 3;
+    const auto a = run_typed(r, in, dw);
+    const auto b = run_runtime<mr::gating::sigmoid>(c, in, dw);
+    CHECK(a.indices == b.indices);
+    CHECK(same_bits(a.gates, b.gates));
+    CHECK(same_bits(a.grad, b.grad));
+  }
+  SUBCASE("fixed") {
+    c.selection = rt::selection_kind::fixed;
+    mr::router<mr::gating::sigmoid, mr::selection::fixed, 4> r;
+    r.top_k = 3, r.normalize = true, r.scaling_factor = 2.5f;
+    const auto a = run_typed(r, in, dw);
+    const auto b = run_runtime<mr::gating::sigmoid>(c, in, dw);
+    CHECK(a.indices == b.indices);
+    CHECK(same_bits(a.gates, b.gates));
+    CHECK(same_bits(a.grad, b.grad));
+  }
+}
+
+TEST_CASE("runtime router: penalties and the prior match the typed router with the same policies") {
+  ref::rng g(72);
+  const std::int64_t N = 64;
+  const int E = 37;  // not a multiple of 32
+  const auto z = ref::random_logits<float>(g, N, E, 2.0);
+  const auto dw = ref::random_logits<float>(g, N, 2, 1.0);
+  std::vector<float> pi(2 * E);
+  for (auto& p : pi) p = static_cast<float>(g.uniform(0.1, 1.1));
+  std::vector<float> pb(pi.size()), pp(pi.size());
+  mr::prior::prepare(pi.data(), 2, E, pb.data(), pp.data());
+  std::vector<std::int32_t> rows(N);
+  for (std::int64_t t = 0; t < N; ++t) rows[t] = static_cast<std::int32_t>(t % 3) - 1;  // -1, 0, 1
+
+  mr::route_inputs<float> in{z.data(), N, E};
+  in.prior_bias = pb.data();
+  in.prior_probs = pp.data();
+  in.prior_rows = 2;
+  in.token_prior_row = rows.data();
+
+  rt::router_config c;
+  c.top_k = 2;
+  c.prior = rt::prior_kind::log_prior_bias;
+  c.prior_bias.beta = 0.7f;
+  c.z_loss.coefficient = 1e-3f;
+  c.kl_to_base.coefficient = 1e-2f;
+
+  auto r = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::top_k, 16>{},
+                             mr::prior::log_prior_bias{0.7f, true}, mr::penalty::z_loss{1e-3f},
+                             mr::penalty::kl_to_base{1e-2f});
+  r.top_k = 2;
+  std::vector<std::int32_t> idx(N * 2);
+  std::vector<float> gates(N * 2), grad(N * E);
+  std::vector<double> values(2);
+  std::vector<unsigned char> ws(mr::penalty::training_workspace_bytes(r, N, E));
+  mr::route_outputs out{idx.data(), gates.data()};
+  out.penalty_values = values.data();
+  out.workspace = ws.data();
+  out.workspace_bytes = ws.size();
+  mr::cpu::route(r, in, out);
+  mr::backward_args b{idx.data(), dw.data(), grad.data()};
+  b.workspace = ws.data();
+  b.workspace_bytes = ws.size();
+  mr::cpu::backward(r, in, b);
+
+  std::vector<double> rv;
+  const auto o = run_runtime<mr::gating::softmax>(c, in, dw, &rv);
+  CHECK(o.indices == idx);
+  CHECK(same_bits(o.gates, gates));
+  CHECK(same_bits(o.grad, grad));
+  CHECK(rv[1] == values[0]);  // z_loss
+  CHECK(rv[2] == values[1]);  // kl_to_base
+  CHECK(rv[0] == 0.0);        // load_balance off
+  CHECK(rv[3] == 0.0);
+  CHECK(rv[4] == 0.0);
+
+  SUBCASE("prior none routes as the plain router, with no prior inputs at all") {
+    rt::router_config plain;
+    plain.top_k = 2;
+    mr::route_inputs<float> bare{z.data(), N, E};
+    mr::router<mr::gating::softmax, mr::selection::top_k, 2> p;
+    p.top_k = 2;
+    const auto a = run_typed(p, bare, dw);
+    const auto q = run_runtime<mr::gating::softmax>(plain, bare, dw);
+    CHECK(a.indices == q.indices);
+    CHECK(same_bits(a.gates, q.gates));
+    CHECK(same_bits(a.grad, q.grad));
+  }
+}
+
+TEST_CASE("runtime admission equals cpu::admit with the typed policy") {
+  ref::rng g(73);
+  const std::int64_t N = 120;
+  const int E = 16;
+  const auto z = ref::random_logits<float>(g, N, E, 1.5);
+  auto r = mr::presets::qwen3();
+  r.top_k = 4;
+  std::vector<std::int32_t> idx(N * 4);
+  std::vector<float> gates(N * 4);
+  mr::cpu::route(r, mr::route_inputs<float>{z.data(), N, E}, mr::route_outputs{idx.data(), gates.data()});
+  mr::admission_inputs<float> in;
+  in.logits = z.data(), in.num_tokens = N, in.num_experts = E;
+  in.routed_indices = idx.data(), in.routed_gates = gates.data();
+
+  rt::router_config c;
+  c.top_k = 4;
+  c.normalize = true;
+  rt::admission_config a;
+  a.dropless = false;
+  a.affinity = rt::affinity_kind::probability;
+  a.overflow = rt::overflow_kind::reroute;
+  a.capacity_factor = 0.8;
+  a.fill_factor = 1.0;
+
+  std::vector<std::int32_t> i1(N * 4), i2(N * 4);
+  std::vector<float> g1(N * 4), g2(N * 4);
+  mr::admission::policy<mr::admission::probability, mr::admission::reroute> p;
+  p.capacity_factor = 0.8;
+  p.overflow.fill_factor = 1.0;
+  const auto r1 = mr::cpu::admit(r, p, in, mr::admission_outputs{i1.data(), g1.data()});
+  const auto r2 = rt::admit_with<mr::gating::softmax>(c, a, in, mr::admission_outputs{i2.data(), g2.data()}, {});
+  CHECK(r1.rerouted > 0);
+  CHECK(r1.dropped == r2.dropped);
+  CHECK(r1.rerouted == r2.rerouted);
+  CHECK(i1 == i2);
+  CHECK(same_bits(g1, g2));
+}
+
+TEST_CASE("runtime configuration errors name the field or the missing input") {
+  ref::rng g(74);
+  const auto z = ref::random_logits<float>(g, 8, 16, 1.0);
+  const auto dw = ref::random_logits<float>(g, 8, 2, 1.0);
+  mr::route_inputs<float> in{z.data(), 8, 16};
+  rt::router_config c;
+  c.top_k = 17;
+  CHECK_THROWS_WITH_AS(rt::validate(c), doctest::Contains("router_config.top_k"), mr::error);
+  c.top_k = 2;
+  c.gating = rt::gating_kind::softmax_after_topk;
+  c.selection = rt::selection_kind::expert_bias;
+  CHECK_THROWS_WITH_AS(rt::validate(c), doctest::Contains("router_config.selection"), mr::error);
+  c = rt::router_config{};
+  c.selection = rt::selection_kind::group_limited;
+  c.groups = 4;
+  c.top_groups = 5;
+  CHECK_THROWS_WITH_AS(rt::validate(c), doctest::Contains("router_config.top_groups"), mr::error);
+  c = rt::router_config{};
+  c.z_loss.coefficient = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_WITH_AS(rt::validate(c), doctest::Contains("z_loss.coefficient"), mr::error);
+
+  c = rt::router_config{};
+  c.kl_to_base.coefficient = 1e-2f;
+  CHECK_THROWS_WITH_AS(run_runtime<mr::gating::softmax>(c, in, dw), doctest::Contains("token_prior_row is null"),
+                       mr::error);
+  c = rt::router_config{};
+  c.load_balance.coefficient = 1e-2f;
+  c.load_balance.over = mr::penalty::load_balance::scope::global_batch;
+  CHECK_THROWS_WITH_AS(run_runtime<mr::gating::softmax>(c, in, dw), doctest::Contains("load_fractions is null"),
+                       mr::error);
+  // the same configuration in evaluation needs nothing: every policy is off
+  in.mode = mr::mode::eval;
+  CHECK_NOTHROW(run_runtime<mr::gating::softmax>(c, in, dw));
+
+  rt::admission_config a;
+  a.dropless = false;
+  a.affinity = rt::affinity_kind::position;
+  a.overflow = rt::overflow_kind::reroute;
+  CHECK_THROWS_WITH_AS(rt::validate(a), doctest::Contains("admission_config.overflow"), mr::error);
+  a.overflow = rt::overflow_kind::drop;
+  a.capacity_factor = 0.0;
+  CHECK_THROWS_WITH_AS(rt::validate(a), doctest::Contains("admission_config.capacity_factor"), mr::error);
+}
