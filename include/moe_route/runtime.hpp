@@ -356,7 +356,7 @@ inline std::size_t workspace_bytes(const router_config& c, std::int64_t num_toke
 
 // The CPU calls of a runtime router. The *_with<Gating> forms instantiate one
 // gating only, so a framework can spread the instantiations over translation
-// units (declare them `extern template` where they are called).
+// units (runtime_instantiate.hpp).
 
 // cpu::route with the router of `c`. out.penalty_values holds num_penalties
 // doubles in penalty_names order.

@@ -13,7 +13,7 @@
 #include <moe_route/moe_route.hpp>
 #include <moe_route/prior/build.hpp>
 
-#include "instantiate.hpp"
+#include <moe_route/runtime_instantiate.hpp>
 
 namespace py = pybind11;
 namespace mr = moe_route;

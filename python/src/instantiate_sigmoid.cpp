@@ -1,3 +1,3 @@
-#include "instantiate.hpp"
+#include <moe_route/runtime_instantiate.hpp>
 
-MOE_ROUTE_PY_RUNTIME_CALLS(, moe_route::gating::sigmoid)
+MOE_ROUTE_RUNTIME_INSTANTIATE(, moe_route::gating::sigmoid)
