@@ -16,8 +16,18 @@ PRIORS = ("none", "log_prior_bias", "prior_override")
 PENALTIES = tuple(_C.penalty_names)
 
 
+class _Fields:
+    """Rejects attributes that are not fields, so a misspelt option (cfg.topk = 4)
+    raises instead of being silently ignored."""
+
+    def __setattr__(self, name, value):
+        if name not in self.__dataclass_fields__:
+            raise AttributeError(f"moe_route: {type(self).__name__} has no field '{name}'")
+        object.__setattr__(self, name, value)
+
+
 @dataclass
-class RouterConfig:
+class RouterConfig(_Fields):
     """One router: gating, selection, prior policy and penalty coefficients.
 
     A penalty with coefficient 0 is off (value 0, no gradient). ``normalize``
@@ -75,7 +85,7 @@ class RouterConfig:
 
 
 @dataclass
-class Admission:
+class Admission(_Fields):
     """Capacity-bounded admission after routing (docs/admission.md).
 
     Build one with the presets: dropless(), cipher_strict(tau),

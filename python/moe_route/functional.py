@@ -135,6 +135,8 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
     penalty and the per-rank dispatch counts; group_ids [N] are the admission
     groups (one per expert-parallel rank's micro-batch).
     """
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"moe_route: logits must be a torch.Tensor, got {type(logits).__name__}")
     if not isinstance(config, RouterConfig):
         raise TypeError(f"moe_route: config must be a RouterConfig, got {type(config).__name__}")
     if admission is not None and not isinstance(admission, Admission):
