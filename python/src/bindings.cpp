@@ -30,6 +30,22 @@ std::string shape_of(const torch::Tensor& t) {
   return s + "]";
 }
 
+// torch's Python name of a dtype, for messages.
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case torch::kFloat32: return "torch.float32";
+    case torch::kFloat64: return "torch.float64";
+    case torch::kFloat16: return "torch.float16";
+    case torch::kBFloat16: return "torch.bfloat16";
+    case torch::kInt8: return "torch.int8";
+    case torch::kUInt8: return "torch.uint8";
+    case torch::kInt32: return "torch.int32";
+    case torch::kInt64: return "torch.int64";
+    case torch::kBool: return "torch.bool";
+    default: return c10::toString(t);
+  }
+}
+
 // A CPU tensor of `dtype` and the given shape (-1: any extent), made
 // contiguous (a copy only if it was not). Integer index tensors may be given
 // as int64; they are range-checked and converted to int32.
@@ -45,7 +61,8 @@ torch::Tensor checked(const torch::Tensor& t, const std::string& name, at::Scala
       value_error(name + " has values outside the int32 range");
     u = t.to(torch::kInt32);
   } else if (t.scalar_type() != dtype) {
-    type_error(name + " must be " + std::string(c10::toString(dtype)) + ", got " + c10::toString(t.scalar_type()));
+    type_error(name + " must be " + dtype_name(dtype) + (dtype == torch::kInt32 ? " or torch.int64" : "") + ", got " +
+               dtype_name(t.scalar_type()));
   }
   bool ok = u.dim() == static_cast<std::int64_t>(shape.size());
   for (std::size_t d = 0; ok && d < shape.size(); ++d) ok = shape[d] < 0 || u.size(d) == shape[d];

@@ -320,7 +320,7 @@ def test_bad_admission_arguments(gen):
     for adm, kw, match in cases:
         with pytest.raises(ValueError, match=match):
             mr.route(z, cfg, admission=adm, **kw)
-    with pytest.raises(TypeError, match="capacity must be Long"):
+    with pytest.raises(TypeError, match="capacity must be torch.int64, got torch.float32"):
         mr.route(z, cfg, admission=Adm.capacity_probs(1.0), capacity=torch.ones(4))
     with pytest.raises(TypeError, match="admission must be an Admission"):
         mr.route(z, cfg, admission="cipher_strict")

@@ -162,7 +162,7 @@ def test_prior_needs_its_tensors():
         mr.route(z, cfg, prior_bias=prep.bias[:, :7], token_prior_row=rows)
     with pytest.raises(ValueError, match="token_prior_row must have shape"):
         mr.route(z, cfg, prior_bias=prep.bias, token_prior_row=rows[:3])
-    with pytest.raises(TypeError, match="prior_bias must be Float, got Double"):
+    with pytest.raises(TypeError, match="prior_bias must be torch.float32, got torch.float64"):
         mr.route(z, cfg, prior_bias=prep.bias.double(), token_prior_row=rows)
     bad = prep.bias.clone()
     bad[1, 2] = math.inf
