@@ -1,0 +1,349 @@
+// moe_lm: pretrain a small MoE language model on the Q/A mixture, save it,
+// and post-train it on one domain under one router condition (RPB Table 1,
+// z-loss) and one admission policy, printing progress on stderr and the
+// result as JSON on stdout. The RPB and CIPHER studies are loops over
+// `moe_lm posttrain` with different --condition / --admission / --seed.
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <stdexcept>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "analysis.hpp"
+#include "conditions.hpp"
+#include "data.hpp"
+#include "model.hpp"
+#include "train.hpp"
+
+namespace {
+
+using namespace moe_lm;
+using nlohmann::json;
+
+struct data_options {
+  std::uint64_t seed = 0;
+  int train = 3000, post = 2000, eval = 200, probe = 200;  // per domain
+  std::string train_jsonl, post_jsonl, eval_jsonl, probe_jsonl;
+};
+
+void add_data_options(CLI::App* c, data_options& d) {
+  c->add_option("--data-seed", d.seed, "seed of the embedded data set");
+  c->add_option("--train-per-domain", d.train, "pretraining examples per domain");
+  c->add_option("--post-per-domain", d.post, "post-training examples per domain");
+  c->add_option("--eval-per-domain", d.eval, "evaluation examples per domain");
+  c->add_option("--probe-per-domain", d.probe, "probe examples per domain");
+  c->add_option("--train-jsonl", d.train_jsonl, "pretraining examples (JSONL) instead of the embedded ones");
+  c->add_option("--post-jsonl", d.post_jsonl, "post-training examples (JSONL)");
+  c->add_option("--eval-jsonl", d.eval_jsonl, "evaluation examples (JSONL)");
+  c->add_option("--probe-jsonl", d.probe_jsonl, "probe examples (JSONL)");
+}
+
+split load_data(const data_options& d, std::int64_t max_len) {
+  split s = default_data(d.seed, d.train, d.post, d.eval, d.probe);
+  if (!d.train_jsonl.empty()) s.train = load_jsonl(d.train_jsonl, max_len + 1);
+  if (!d.post_jsonl.empty()) s.post = load_jsonl(d.post_jsonl, max_len + 1);
+  if (!d.eval_jsonl.empty()) s.eval = load_jsonl(d.eval_jsonl, max_len + 1);
+  if (!d.probe_jsonl.empty()) s.probe = load_jsonl(d.probe_jsonl, max_len + 1);
+  return s;
+}
+
+json metrics_json(const std::vector<domain_metrics>& ms) {
+  json j = json::object();
+  for (const auto& m : ms) j[m.domain] = {{"examples", m.examples}, {"accuracy", m.accuracy}, {"answer_loss", m.answer_loss}};
+  return j;
+}
+
+// In-domain and the unweighted mean of the other domains.
+json id_ood(const std::vector<domain_metrics>& ms, const std::string& in_domain) {
+  json id = nullptr, ood = {{"accuracy", 0.0}, {"answer_loss", 0.0}};
+  int others = 0;
+  for (const auto& m : ms) {
+    if (m.domain == in_domain) {
+      id = {{"accuracy", m.accuracy}, {"answer_loss", m.answer_loss}};
+    } else {
+      ood["accuracy"] = ood["accuracy"].get<double>() + m.accuracy;
+      ood["answer_loss"] = ood["answer_loss"].get<double>() + m.answer_loss;
+      ++others;
+    }
+  }
+  if (others > 0) {
+    ood["accuracy"] = ood["accuracy"].get<double>() / others;
+    ood["answer_loss"] = ood["answer_loss"].get<double>() / others;
+  }
+  return {{"id", id}, {"ood", others > 0 ? ood : json(nullptr)}};
+}
+
+json train_json(const train_result& r, int every) {
+  double ms = 0.0;
+  json log = json::array();
+  for (const auto& s : r.log) {
+    ms += s.ms;
+    if (every > 0 && (s.step % every == 0 || s.step == static_cast<int>(r.log.size()) || s.step == 1))
+      log.push_back({{"step", s.step}, {"task_loss", s.task_loss}, {"aux_loss", s.aux_loss}, {"router_l2", s.router_l2}});
+  }
+  json loads = json::array();
+  for (std::size_t l = 0; l < r.routed_loads.size(); ++l) {
+    std::int64_t executed = 0, peak = 0;
+    for (auto v : r.executed_loads[l]) executed += v, peak = std::max(peak, v);
+    const double e = static_cast<double>(r.executed_loads[l].size());
+    loads.push_back({{"routed_loads", r.routed_loads[l]},
+                     {"executed_loads", r.executed_loads[l]},
+                     {"top1_share", executed > 0 ? static_cast<double>(peak) / executed : 0.0},
+                     {"peak_to_mean", executed > 0 ? static_cast<double>(peak) * e / executed : 0.0},
+                     {"dropped_rate", r.slots > 0 ? 1.0 - static_cast<double>(executed) / r.slots : 0.0}});
+  }
+  return {{"steps", r.log.size()},
+          {"first_loss", r.log.empty() ? 0.0 : r.log.front().task_loss},
+          {"last_loss", r.log.empty() ? 0.0 : r.log.back().task_loss},
+          {"mean_step_ms", r.log.empty() ? 0.0 : ms / static_cast<double>(r.log.size())},
+          {"log", log},
+          {"layers", loads}};
+}
+
+void progress(const char* what, const step_log& s, int steps) {
+  std::fprintf(stderr, "[%s] step %d/%d  loss %.4f  aux %.5f%s  %.1f ms/step\n", what, s.step, steps, s.task_loss,
+               s.aux_loss, s.router_l2 != 0.0 ? (" router_l2 " + std::to_string(s.router_l2)).c_str() : "", s.ms);
+}
+
+void emit(const json& j, const std::string& path) {
+  std::cout << j.dump(2) << std::endl;
+  if (!path.empty()) {
+    std::ofstream out(path);
+    if (!out) throw std::runtime_error(path + ": cannot write");
+    out << j.dump(2) << "\n";
+  }
+}
+
+rt::admission_config admission_of(const std::string& name, float tau, bool tau_given, double capacity_factor,
+                                  double fill_factor) {
+  rt::admission_config a;
+  if (name == "dropless") return a;
+  a.dropless = false;
+  a.capacity_factor = capacity_factor;
+  a.fill_factor = fill_factor;
+  if (name == "cipher_strict" || name == "cipher_reroute" || name == "locmoe") {
+    a.affinity = rt::affinity_kind::cosine;
+    a.threshold = tau_given ? tau : (name == "locmoe" ? 0.01f : 0.0f);
+    if (name == "cipher_reroute") a.overflow = rt::overflow_kind::reroute;
+  } else if (name == "capacity_position") {
+    a.affinity = rt::affinity_kind::position;
+  } else if (name == "capacity_probs") {
+    a.affinity = rt::affinity_kind::probability;
+  } else {
+    throw std::invalid_argument("unknown admission \"" + name +
+                                "\" (dropless, cipher_strict, cipher_reroute, locmoe, capacity_position, capacity_probs)");
+  }
+  return a;
+}
+
+json admission_json(const std::string& name, const rt::admission_config& a) {
+  if (a.dropless) return {{"policy", name}};
+  return {{"policy", name}, {"threshold", a.threshold}, {"capacity_factor", a.capacity_factor},
+          {"fill_factor", a.fill_factor}};
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moe_lm: a small MoE language model whose routers are moe_route's"};
+  app.require_subcommand(1);
+  int threads = 1;
+  std::string json_path;
+  int log_every = 50;
+  app.add_option("--threads", threads, "torch threads");
+  app.add_option("--json", json_path, "also write the result JSON here");
+  app.add_option("--log-every", log_every, "progress line every N steps (0: none)");
+
+  // pretrain
+  auto* pre = app.add_subcommand("pretrain", "pretrain a base model on the mixture of every domain");
+  model_config mc;
+  std::string preset = "softmax", out_path;
+  train_options pre_opt;
+  pre_opt.steps = 1500;
+  float pre_lbl = 1e-2f;
+  data_options pre_data;
+  pre->add_option("--out", out_path, "checkpoint to write")->required();
+  pre->add_option("--gating", preset, "softmax (DeepSeek-V2-Lite) or sigmoid_bias (Moonlight)");
+  pre->add_option("--d-model", mc.d_model, "width");
+  pre->add_option("--layers", mc.layers, "depth");
+  pre->add_option("--heads", mc.heads, "attention heads");
+  pre->add_option("--experts", mc.experts, "routed experts E");
+  pre->add_option("--top-k", mc.top_k, "experts per token K");
+  pre->add_option("--expert-hidden", mc.expert_hidden, "hidden width of a routed expert");
+  pre->add_option("--shared-hidden", mc.shared_hidden, "hidden width of the shared expert");
+  pre->add_option("--max-len", mc.max_len, "positions");
+  pre->add_option("--bias-update-rate", mc.bias_update_rate, "sigmoid_bias: the expert-bias step");
+  pre->add_flag("--untied", [&](std::int64_t) { mc.tie_embeddings = false; }, "untie the output head");
+  pre->add_flag("--layer-norm", [&](std::int64_t) { mc.rms_norm = false; }, "LayerNorm instead of RMSNorm");
+  pre->add_option("--steps", pre_opt.steps, "training steps");
+  pre->add_option("--batch", pre_opt.batch_size, "examples per step");
+  pre->add_option("--lr", pre_opt.lr, "Adam learning rate");
+  pre->add_option("--seed", pre_opt.seed, "initialisation and batch-order seed");
+  pre->add_option("--lbl", pre_lbl, "load-balancing coefficient alpha during pretraining");
+  add_data_options(pre, pre_data);
+
+  // posttrain
+  auto* post = app.add_subcommand("posttrain", "post-train a base model on one domain under one router condition");
+  std::string base_path, domain_arg, condition_arg = "sft", admission_arg = "dropless", post_out;
+  train_options post_opt;
+  post_opt.steps = 300;
+  post_opt.lr = 1e-3;
+  condition_params cp;
+  float tau = 0.0f;
+  double capacity_factor = 1.25, fill_factor = 4.0;
+  bool admit_at_eval = false, eval_base = false;
+  int post_examples = 0;
+  retention_settings rs;
+  data_options post_data;
+  post->add_option("--base", base_path, "base checkpoint (moe_lm pretrain)")->required();
+  post->add_option("--domain", domain_arg, "post-training domain: arithmetic, code or words")->required();
+  post->add_option("--condition", condition_arg,
+                   "sft, lbl, rpb, router_l2, kl_to_base, logit_l2, z_loss, rpb_hard, within_soft, within_hard, "
+                   "global_hard");
+  post->add_option("--admission", admission_arg,
+                   "dropless, cipher_strict, cipher_reroute, locmoe, capacity_position, capacity_probs");
+  auto* tau_opt = post->add_option("--tau", tau, "admission threshold (cipher_*: 0, locmoe: 0.01 by default)");
+  post->add_option("--capacity-factor", capacity_factor, "admission capacity factor");
+  post->add_option("--fill-factor", fill_factor, "cipher_reroute fill factor");
+  post->add_option("--groups", post_opt.admission_groups, "admission groups per batch (expert-parallel ranks)");
+  post->add_flag("--admit-at-eval", admit_at_eval, "admission also when evaluating");
+  post->add_option("--out", post_out, "write the post-trained checkpoint here");
+  post->add_option("--steps", post_opt.steps, "training steps");
+  post->add_option("--batch", post_opt.batch_size, "examples per step");
+  post->add_option("--lr", post_opt.lr, "Adam learning rate");
+  post->add_option("--seed", post_opt.seed, "batch-order seed (and shuffle seed)");
+  post->add_option("--lbl-alpha", cp.lbl_alpha, "lbl: alpha");
+  post->add_option("--beta", cp.beta, "rpb, within_soft: beta");
+  post->add_option("--router-l2", cp.router_l2, "router_l2: lambda");
+  post->add_option("--kl", cp.kl_to_base, "kl_to_base: coefficient");
+  post->add_option("--logit-l2", cp.logit_l2, "logit_l2: coefficient");
+  post->add_option("--z-loss", cp.z_loss, "z_loss: coefficient");
+  post->add_option("--post-examples", post_examples, "use the first N post-training examples (0: all)");
+  post->add_option("--rho", rs.rho, "retention: kept edge fraction");
+  post->add_option("--nulls", rs.nulls, "retention: null-model resamples");
+  post->add_flag("--eval-base", eval_base, "also evaluate the base model");
+  add_data_options(post, post_data);
+
+  // eval
+  auto* ev = app.add_subcommand("eval", "evaluate a checkpoint per domain");
+  std::string eval_path, prompt;
+  data_options eval_data;
+  ev->add_option("--model", eval_path, "checkpoint")->required();
+  ev->add_option("--prompt", prompt, "print the greedy answer to this prompt instead");
+  add_data_options(ev, eval_data);
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    torch::set_num_threads(threads);
+    const auto start = std::chrono::steady_clock::now();
+    if (*pre) {
+      mc.gating = parse_preset(preset);
+      pre_opt.threads = threads;
+      pre_opt.log_every = log_every;
+      pre_opt.on_log = [&](const step_log& s) { progress("pretrain", s, pre_opt.steps); };
+      const split data = load_data(pre_data, mc.max_len);
+      torch::manual_seed(pre_opt.seed);
+      auto m = std::make_shared<model>(mc);
+      rt::router_config r = preset_router(mc);
+      r.load_balance.coefficient = pre_lbl;
+      m->set_router(r);
+      const train_result tr = train(*m, data.train, pre_opt);
+      save_model(m, out_path);
+      const routing_trace trace = probe(*m, data.probe);
+      json layers = json::array();
+      for (std::int64_t l = 0; l < trace.layers; ++l)
+        layers.push_back(workload({trace.indices.begin() + l * trace.tokens * trace.k,
+                                   trace.indices.begin() + (l + 1) * trace.tokens * trace.k},
+                                  trace.tokens, trace.k, trace.experts));
+      emit({{"command", "pretrain"},
+            {"model", json::parse(to_json(mc))},
+            {"seed", pre_opt.seed},
+            {"lbl", pre_lbl},
+            {"checkpoint", out_path},
+            {"train", train_json(tr, log_every)},
+            {"eval", metrics_json(evaluate(*m, data.eval))},
+            {"probe_workload", layers},
+            {"seconds", seconds_since(start)}},
+           json_path);
+    } else if (*post) {
+      auto m = load_model(base_path);
+      const model_config& c = m->config();
+      const split data = load_data(post_data, c.max_len);
+      const domain dom = parse_domain(domain_arg);
+      std::vector<example> post_set = of_domain(data.post, dom);
+      if (post_examples > 0 && static_cast<std::size_t>(post_examples) < post_set.size())
+        post_set.resize(static_cast<std::size_t>(post_examples));
+      const std::vector<example> probe_set = of_domain(data.probe, dom);
+      const condition cond = parse_condition(condition_arg);
+      const condition_setup cs = setup(cond, m->router(), cp);
+      const rt::admission_config adm =
+          admission_of(admission_arg, tau, tau_opt->count() > 0, capacity_factor, fill_factor);
+      rs.seed = post_opt.seed;
+
+      json result = {{"command", "posttrain"}, {"base", base_path}, {"domain", domain_name(dom)},
+                     {"condition", condition_name(cond)}, {"seed", post_opt.seed},
+                     {"admission", admission_json(admission_arg, adm)}, {"model", json::parse(to_json(c))}};
+      if (eval_base) {
+        const auto base_metrics = evaluate(*m, data.eval);
+        result["base_eval"] = metrics_json(base_metrics);
+        result["base_summary"] = id_ood(base_metrics, domain_name(dom));
+      }
+      const routing_trace base_trace = probe(*m, probe_set);
+      if (cs.prior != prior_source::none) {
+        std::vector<std::vector<float>> pi = build_prior(*m, post_set);
+        if (cs.prior == prior_source::within_shuffle) {
+          const auto comm = communities(base_trace, rs);
+          shuffle_prior(pi, static_cast<int>(c.experts), &comm, post_opt.seed);
+        } else if (cs.prior == prior_source::global_shuffle) {
+          shuffle_prior(pi, static_cast<int>(c.experts), nullptr, post_opt.seed);
+        }
+        m->set_prior(prepare_prior(pi, static_cast<int>(c.experts)));
+      }
+      post_opt.prior_rows = cs.prior != prior_source::none;
+      post_opt.router_l2 = cs.router_l2;
+      post_opt.update_expert_bias = cs.update_expert_bias;
+      if (cs.router_l2 != 0.0f)
+        for (const auto& w : m->router_weights()) post_opt.base_router.push_back(w.detach().clone());
+      post_opt.threads = threads;
+      post_opt.log_every = log_every;
+      post_opt.on_log = [&](const step_log& s) { progress(condition_name(cond), s, post_opt.steps); };
+      m->set_router(cs.router);
+      m->set_admission(adm, admit_at_eval);
+      const train_result tr = train(*m, post_set, post_opt);
+      const auto metrics = evaluate(*m, data.eval);
+      const routing_trace post_trace = probe(*m, probe_set);
+      result["train"] = train_json(tr, log_every);
+      result["eval"] = metrics_json(metrics);
+      result["summary"] = id_ood(metrics, domain_name(dom));
+      result["retention"] = retention(base_trace, post_trace, rs);
+      result["seconds"] = seconds_since(start);
+      if (!post_out.empty()) {
+        m->set_prior({});
+        m->set_admission(rt::admission_config{});
+        save_model(m, post_out);
+      }
+      emit(result, json_path);
+    } else if (*ev) {
+      auto m = load_model(eval_path);
+      if (!prompt.empty()) {
+        std::cout << generate(*m, prompt, static_cast<int>(m->config().max_len)) << std::endl;
+        return 0;
+      }
+      const split data = load_data(eval_data, m->config().max_len);
+      emit({{"command", "eval"}, {"model", eval_path}, {"eval", metrics_json(evaluate(*m, data.eval))},
+            {"seconds", seconds_since(start)}},
+           json_path);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moe_lm: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

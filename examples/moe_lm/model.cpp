@@ -1,0 +1,429 @@
+#include "model.hpp"
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+#include <nlohmann/json.hpp>
+
+#include <moe_route/backend/cpu/dispatch.hpp>
+
+#include "data.hpp"
+#include "runtime_calls.hpp"
+
+namespace moe_lm {
+
+const char* preset_name(gating_preset p) { return p == gating_preset::softmax ? "softmax" : "sigmoid_bias"; }
+
+gating_preset parse_preset(const std::string& name) {
+  if (name == "softmax") return gating_preset::softmax;
+  if (name == "sigmoid_bias") return gating_preset::sigmoid_bias;
+  throw std::invalid_argument("unknown gating preset \"" + name + "\" (softmax, sigmoid_bias)");
+}
+
+std::string to_json(const model_config& c) {
+  nlohmann::json j{{"d_model", c.d_model},         {"layers", c.layers},
+                   {"heads", c.heads},             {"experts", c.experts},
+                   {"top_k", c.top_k},             {"expert_hidden", c.expert_hidden},
+                   {"shared_hidden", c.shared_hidden}, {"max_len", c.max_len},
+                   {"tie_embeddings", c.tie_embeddings}, {"rms_norm", c.rms_norm},
+                   {"gating", preset_name(c.gating)}, {"bias_update_rate", c.bias_update_rate}};
+  return j.dump();
+}
+
+model_config model_config_from_json(const std::string& s) {
+  const auto j = nlohmann::json::parse(s);
+  model_config c;
+  c.d_model = j.at("d_model");
+  c.layers = j.at("layers");
+  c.heads = j.at("heads");
+  c.experts = j.at("experts");
+  c.top_k = j.at("top_k");
+  c.expert_hidden = j.at("expert_hidden");
+  c.shared_hidden = j.at("shared_hidden");
+  c.max_len = j.at("max_len");
+  c.tie_embeddings = j.at("tie_embeddings");
+  c.rms_norm = j.at("rms_norm");
+  c.gating = parse_preset(j.at("gating").get<std::string>());
+  c.bias_update_rate = j.at("bias_update_rate");
+  return c;
+}
+
+rt::router_config preset_router(const model_config& c) {
+  rt::router_config r;
+  r.top_k = c.top_k;
+  if (c.gating == gating_preset::softmax) {
+    r.gating = rt::gating_kind::softmax;
+    r.selection = rt::selection_kind::top_k;
+    r.normalize = false;
+  } else {
+    r.gating = rt::gating_kind::sigmoid;
+    r.selection = rt::selection_kind::expert_bias;
+    r.normalize = true;
+    r.bias_update_rate = c.bias_update_rate;
+  }
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// The routing op.
+
+namespace {
+
+// Everything the backward needs besides the logits: the forward's inputs (the
+// route_inputs point into this object), its selections and the workspace the
+// forward filled. It rides in the autograd context as a capsule.
+struct route_state : torch::CustomClassHolder {
+  route_call call;
+  torch::Tensor logits;  // fp32, contiguous, detached
+  std::vector<float> expert_bias;
+  moe_route::route_inputs<float> in;
+  torch::Tensor hidden_norms, weight_norms;  // cosine admission only (no gradient flows to them)
+  torch::Tensor routed, executed;  // int32 [N x K]
+  std::vector<unsigned char> workspace;
+};
+
+class route_function : public torch::autograd::Function<route_function> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor logits,
+                                                c10::intrusive_ptr<route_state> st) {
+    const std::int64_t n = logits.size(0);
+    const int e = static_cast<int>(logits.size(1));
+    const int k = st->call.router.top_k;
+    st->logits = logits.detach().to(torch::kFloat32).contiguous();
+    auto& in = st->in;
+    in.logits = st->logits.data_ptr<float>();
+    in.num_tokens = n;
+    in.num_experts = e;
+    in.mode = st->call.mode;
+    if (rt::selection_uses_bias(st->call.router.selection)) {
+      if (st->call.expert_bias == nullptr) throw std::invalid_argument("route: the router's selection needs an expert bias");
+      st->expert_bias.assign(st->call.expert_bias, st->call.expert_bias + e);
+      in.expert_bias = st->expert_bias.data();
+    }
+    if (st->call.prior) {
+      in.prior_bias = st->call.prior->bias.data();
+      in.prior_probs = st->call.prior->probs.data();
+      in.prior_rows = st->call.prior->rows;
+    }
+    if (!st->call.prior_rows.empty()) in.token_prior_row = st->call.prior_rows.data();
+    if (!st->call.sequence_ids.empty()) {
+      in.sequence_ids = st->call.sequence_ids.data();
+      in.num_sequences = st->call.num_sequences;
+    }
+
+    const auto i32 = torch::TensorOptions().dtype(torch::kInt32);
+    st->routed = torch::empty({n, k}, i32);
+    auto gates = torch::empty({n, k}, torch::kFloat32);
+    std::vector<double> values(rt::num_penalties, 0.0);
+    st->workspace.resize(rt::workspace_bytes(st->call.router, n, e, std::max(st->call.num_sequences, 1)));
+    moe_route::route_outputs out;
+    out.indices = st->routed.data_ptr<std::int32_t>();
+    out.gates = gates.data_ptr<float>();
+    out.penalty_values = values.data();
+    out.workspace = st->workspace.data();
+    out.workspace_bytes = st->workspace.size();
+    const moe_route::cpu::execution ex{st->call.threads};
+    rt::route(st->call.router, in, out, ex);
+
+    if (st->call.admit) {
+      st->executed = torch::empty({n, k}, i32);
+      auto admitted_gates = torch::empty({n, k}, torch::kFloat32);
+      moe_route::admission_inputs<float> ain;
+      ain.logits = in.logits;
+      ain.num_tokens = n;
+      ain.num_experts = e;
+      ain.routed_indices = st->routed.data_ptr<std::int32_t>();
+      ain.routed_gates = gates.data_ptr<float>();
+      if (st->hidden_norms.defined()) ain.hidden_norms = st->hidden_norms.data_ptr<float>();
+      if (st->weight_norms.defined()) ain.weight_norms = st->weight_norms.data_ptr<float>();
+      if (!st->call.group_ids.empty()) {
+        ain.group_ids = st->call.group_ids.data();
+        ain.num_groups = st->call.num_groups;
+      }
+      moe_route::admission_outputs aout;
+      aout.indices = st->executed.data_ptr<std::int32_t>();
+      aout.gates = admitted_gates.data_ptr<float>();
+      rt::admit(st->call.router, st->call.admission, ain, aout, ex);
+      gates = admitted_gates;
+    } else {
+      st->executed = st->routed;
+    }
+    auto value_tensor = torch::empty({rt::num_penalties}, torch::kFloat32);
+    for (int i = 0; i < rt::num_penalties; ++i) value_tensor[i] = static_cast<float>(values[i]);
+    ctx->saved_data["state"] = c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(st));
+    return {gates, value_tensor};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto capsule = ctx->saved_data["state"].toCapsule();
+    auto* st = static_cast<route_state*>(capsule.get());
+    const std::int64_t n = st->in.num_tokens;
+    const int e = st->in.num_experts;
+    const int k = st->call.router.top_k;
+    torch::Tensor grad_gates = grads[0].defined() ? grads[0].to(torch::kFloat32).contiguous()
+                                                  : torch::zeros({n, k}, torch::kFloat32);
+    std::vector<float> penalty_grads(rt::num_penalties, 0.0f);
+    if (grads[1].defined()) {
+      const torch::Tensor g = grads[1].to(torch::kFloat32).contiguous();
+      std::copy(g.data_ptr<float>(), g.data_ptr<float>() + rt::num_penalties, penalty_grads.begin());
+    }
+    auto grad_logits = torch::empty({n, e}, torch::kFloat32);
+    moe_route::backward_args args;
+    args.indices = st->routed.data_ptr<std::int32_t>();
+    args.grad_gates = grad_gates.data_ptr<float>();
+    args.grad_logits = grad_logits.data_ptr<float>();
+    if (st->call.admit) {
+      args.admitted_indices = st->executed.data_ptr<std::int32_t>();
+      args.renormalize = rt::renormalizes(st->call.admission);
+    }
+    args.workspace = st->workspace.data();
+    args.workspace_bytes = st->workspace.size();
+    args.penalty_grads = penalty_grads.data();
+    rt::backward(st->call.router, st->in, args, moe_route::cpu::execution{st->call.threads});
+    return {grad_logits, torch::Tensor()};
+  }
+};
+
+std::vector<std::int64_t> count_experts(const torch::Tensor& indices, std::int64_t experts) {
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), 0);
+  const std::int32_t* p = indices.data_ptr<std::int32_t>();
+  for (std::int64_t i = 0, n = indices.numel(); i < n; ++i)
+    if (p[i] >= 0) ++counts[static_cast<std::size_t>(p[i])];
+  return counts;
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> route(const torch::Tensor& logits, const route_call& call, layer_record& record,
+                                 const torch::Tensor& hidden_norms, const torch::Tensor& weight_norms) {
+  TORCH_CHECK(logits.dim() == 2, "route: logits must be [N x E]");
+  if (call.admit && call.mode == moe_route::mode::train && call.admission.overflow == rt::overflow_kind::reroute &&
+      call.router.prior == rt::prior_kind::log_prior_bias && call.router.prior_bias.beta != 0.0f &&
+      call.router.prior_bias.bias_gates)
+    throw std::invalid_argument(
+        "route: reroute admission under the soft prior (log_prior_bias with bias_gates) is not supported: the "
+        "rerouted gates would come from the unbiased logits, the routed ones from the biased logits");
+  auto st = c10::make_intrusive<route_state>();
+  st->call = call;
+  if (hidden_norms.defined()) st->hidden_norms = hidden_norms.detach().to(torch::kFloat32).contiguous();
+  if (weight_norms.defined()) st->weight_norms = weight_norms.detach().to(torch::kFloat32).contiguous();
+  auto out = route_function::apply(logits, st);
+  record.routed = st->routed;
+  record.executed = st->executed;
+  record.values = out[1];
+  record.routed_counts = count_experts(st->routed, logits.size(1));
+  record.counts = call.admit ? count_experts(st->executed, logits.size(1)) : record.routed_counts;
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Modules.
+
+rms_norm::rms_norm(std::int64_t d) { weight_ = register_parameter("weight", torch::ones({d})); }
+
+torch::Tensor rms_norm::forward(const torch::Tensor& x) {
+  return x * torch::rsqrt(x.pow(2).mean(-1, true) + 1e-6) * weight_;
+}
+
+moe_ffn::moe_ffn(const model_config& c) {
+  const std::int64_t d = c.d_model, e = c.experts, h = c.expert_hidden, hs = c.shared_hidden;
+  // Output projections are scaled down with depth so the residual stream starts near the identity.
+  const double out_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(c.layers));
+  router_weight = register_parameter("router", torch::randn({e, d}) * 0.02);
+  expert_bias = register_buffer("expert_bias", torch::zeros({e}));
+  w1_ = register_parameter("w1", torch::randn({e, d, h}) / std::sqrt(static_cast<double>(d)));
+  w2_ = register_parameter("w2", torch::randn({e, h, d}) * (out_scale / std::sqrt(static_cast<double>(h))));
+  shared_w1_ = register_parameter("shared_w1", torch::randn({d, hs}) / std::sqrt(static_cast<double>(d)));
+  shared_w2_ = register_parameter("shared_w2", torch::randn({hs, d}) * (out_scale / std::sqrt(static_cast<double>(hs))));
+  router = preset_router(c);
+}
+
+torch::Tensor moe_ffn::forward(const torch::Tensor& x, const routing_context& ctx) {
+  const std::int64_t n = x.size(0), d = x.size(1), e = router_weight.size(0);
+  const int k = router.top_k;
+  const torch::Tensor logits = torch::matmul(x, router_weight.t());
+  route_call call;
+  call.router = router;
+  call.mode = ctx.mode;
+  call.admission = admission;
+  call.admit = !admission.dropless && (ctx.mode == moe_route::mode::train || admit_at_eval);
+  call.expert_bias = expert_bias.data_ptr<float>();
+  call.prior = prior;
+  call.threads = threads;
+  if (ctx.prior_rows) call.prior_rows = *ctx.prior_rows;
+  if (ctx.sequence_ids) {
+    call.sequence_ids = *ctx.sequence_ids;
+    call.num_sequences = ctx.num_sequences;
+  }
+  if (ctx.group_ids) {
+    call.group_ids = *ctx.group_ids;
+    call.num_groups = ctx.num_groups;
+  }
+  torch::Tensor hidden_norms, weight_norms;
+  if (call.admit && admission.affinity == rt::affinity_kind::cosine) {
+    hidden_norms = x.detach().norm(2, 1);
+    weight_norms = router_weight.detach().norm(2, 1);
+  }
+  auto routed = route(logits, call, last, hidden_norms, weight_norms);
+  if (ctx.keep_logits) last.logits = logits.detach().clone();
+  const torch::Tensor& gates = routed[0];
+
+  // Expert-major rows from the library's dispatch metadata.
+  std::vector<std::int64_t> counts(static_cast<std::size_t>(e)), offsets(static_cast<std::size_t>(e) + 1);
+  auto permutation = torch::empty({moe_route::dispatch_rows_bound(n, k, static_cast<int>(e), 1)}, torch::kInt64);
+  auto inverse = torch::empty({n * k}, torch::kInt64);
+  moe_route::dispatch_inputs din;
+  din.indices = last.executed.data_ptr<std::int32_t>();
+  din.num_tokens = n;
+  din.slots_per_token = k;
+  din.num_experts = static_cast<int>(e);
+  moe_route::dispatch_outputs dout;
+  dout.counts = counts.data();
+  dout.offsets = offsets.data();
+  dout.permutation = permutation.data_ptr<std::int64_t>();
+  dout.inverse = inverse.data_ptr<std::int64_t>();
+  const std::int64_t rows = moe_route::cpu::dispatch(din, dout);
+
+  const torch::Tensor source = permutation.slice(0, 0, rows).div(k, "floor");
+  const torch::Tensor xe = x.index_select(0, source);
+  std::vector<torch::Tensor> ys;
+  for (std::int64_t j = 0; j < e; ++j) {
+    const std::int64_t r0 = offsets[static_cast<std::size_t>(j)], r1 = offsets[static_cast<std::size_t>(j) + 1];
+    if (r1 > r0) ys.push_back(torch::matmul(torch::silu(torch::matmul(xe.slice(0, r0, r1), w1_[j])), w2_[j]));
+  }
+  ys.push_back(torch::zeros({1, d}, x.options()));  // the row a dropped slot gathers
+  const torch::Tensor y = torch::cat(ys, 0);
+  const torch::Tensor slot_rows = torch::where(inverse < 0, torch::full_like(inverse, rows), inverse);
+  const torch::Tensor combined = (y.index_select(0, slot_rows).view({n, k, d}) * gates.unsqueeze(-1)).sum(1);
+  const torch::Tensor shared = torch::matmul(torch::silu(torch::matmul(x, shared_w1_)), shared_w2_);
+  return combined + shared;
+}
+
+block::block(const model_config& c) : cfg_(c) {
+  if (c.d_model % c.heads != 0) throw std::invalid_argument("model: d_model must be a multiple of heads");
+  if (c.rms_norm) {
+    rms1_ = register_module("norm1", std::make_shared<rms_norm>(c.d_model));
+    rms2_ = register_module("norm2", std::make_shared<rms_norm>(c.d_model));
+  } else {
+    ln1_ = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+    ln2_ = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  }
+  qkv_ = register_module("qkv", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, 3 * c.d_model).bias(false)));
+  proj_ = register_module("proj", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.d_model).bias(false)));
+  torch::NoGradGuard guard;
+  proj_->weight.mul_(1.0 / std::sqrt(2.0 * static_cast<double>(c.layers)));
+  moe = register_module("moe", std::make_shared<moe_ffn>(c));
+}
+
+torch::Tensor block::norm(int which, const torch::Tensor& x) {
+  if (cfg_.rms_norm) return which == 1 ? rms1_->forward(x) : rms2_->forward(x);
+  return which == 1 ? ln1_->forward(x) : ln2_->forward(x);
+}
+
+torch::Tensor block::forward(const torch::Tensor& x, const torch::Tensor& valid, const routing_context& ctx) {
+  const std::int64_t b = x.size(0), t = x.size(1), d = x.size(2), h = cfg_.heads, dh = d / h;
+  const auto qkv = qkv_->forward(norm(1, x)).view({b, t, 3, h, dh}).permute({2, 0, 3, 1, 4});
+  const auto scores = torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) / std::sqrt(static_cast<double>(dh));
+  const auto causal = torch::ones({t, t}, torch::kBool).triu(1);
+  const auto attn = torch::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1);
+  const auto mixed = torch::matmul(attn, qkv[2]).transpose(1, 2).reshape({b, t, d});
+  const auto x1 = x + proj_->forward(mixed);
+  // Only the real tokens are routed: padding takes no expert capacity and no load.
+  const auto flat = norm(2, x1).reshape({b * t, d});
+  const auto routed = moe->forward(flat.index_select(0, valid), ctx);
+  const auto ffn = torch::zeros_like(flat).index_copy(0, valid, routed);
+  return x1 + ffn.view({b, t, d});
+}
+
+model::model(const model_config& c) : cfg_(c) {
+  if (c.top_k < 1 || c.top_k > c.experts) throw std::invalid_argument("model: top_k must be in [1, experts]");
+  embed_ = register_module("embed", torch::nn::Embedding(vocab::size, c.d_model));
+  {
+    torch::NoGradGuard guard;
+    embed_->weight.normal_(0.0, 0.02);
+  }
+  pos_ = register_parameter("pos", torch::randn({c.max_len, c.d_model}) * 0.02);
+  for (std::int64_t l = 0; l < c.layers; ++l) {
+    blocks_.push_back(register_module("block" + std::to_string(l), std::make_shared<block>(c)));
+    moes_.push_back(blocks_.back()->moe);
+  }
+  if (c.rms_norm)
+    rms_f_ = register_module("norm_f", std::make_shared<rms_norm>(c.d_model));
+  else
+    ln_f_ = register_module("norm_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  if (!c.tie_embeddings)
+    head_ = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, vocab::size).bias(false)));
+}
+
+torch::Tensor model::forward(const torch::Tensor& tokens, const routing_context& ctx) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.size(1) <= cfg_.max_len, "model: tokens must be [B x T], T <= max_len");
+  const std::int64_t t = tokens.size(1);
+  const torch::Tensor valid = (tokens.reshape({-1}) != vocab::pad).nonzero().reshape({-1});
+  torch::Tensor x = embed_->forward(tokens) + pos_.slice(0, 0, t).unsqueeze(0);
+  for (auto& b : blocks_) x = b->forward(x, valid, ctx);
+  return cfg_.rms_norm ? rms_f_->forward(x) : ln_f_->forward(x);
+}
+
+torch::Tensor model::logits(const torch::Tensor& hidden) {
+  return cfg_.tie_embeddings ? torch::matmul(hidden, embed_->weight.t()) : head_->forward(hidden);
+}
+
+torch::Tensor model::aux_loss() const {
+  torch::Tensor sum = torch::zeros({}, torch::kFloat32);
+  for (const auto& m : moes_)
+    if (m->last.values.defined()) sum = sum + m->last.values.sum();
+  return sum;
+}
+
+void model::set_router(const rt::router_config& r) {
+  rt::validate(r);
+  if (r.top_k != cfg_.top_k) throw std::invalid_argument("set_router: top_k must stay the model's");
+  for (auto& m : moes_) m->router = r;
+}
+
+void model::set_admission(const rt::admission_config& a, bool at_eval) {
+  rt::validate(a);
+  for (auto& m : moes_) {
+    m->admission = a;
+    m->admit_at_eval = at_eval;
+  }
+}
+
+void model::set_prior(const std::vector<prior_table>& tables) {
+  if (!tables.empty() && tables.size() != moes_.size())
+    throw std::invalid_argument("set_prior: one table per MoE layer");
+  for (std::size_t l = 0; l < moes_.size(); ++l)
+    moes_[l]->prior = tables.empty() ? nullptr : std::make_shared<const prior_table>(tables[l]);
+}
+
+void model::set_router_threads(int threads) {
+  for (auto& m : moes_) m->threads = threads;
+}
+
+std::vector<torch::Tensor> model::router_weights() const {
+  std::vector<torch::Tensor> w;
+  for (const auto& m : moes_) w.push_back(m->router_weight);
+  return w;
+}
+
+void save_model(const std::shared_ptr<model>& m, const std::string& path) {
+  torch::serialize::OutputArchive archive;
+  m->save(archive);
+  archive.write("moe_lm_config", c10::IValue(to_json(m->config())));
+  archive.save_to(path);
+}
+
+std::shared_ptr<model> load_model(const std::string& path) {
+  torch::serialize::InputArchive archive;
+  archive.load_from(path);
+  c10::IValue config;
+  if (!archive.try_read("moe_lm_config", config))
+    throw std::runtime_error(path + ": not a moe_lm checkpoint (no moe_lm_config)");
+  auto m = std::make_shared<model>(model_config_from_json(config.toStringRef()));
+  m->load(archive);
+  return m;
+}
+
+}  // namespace moe_lm

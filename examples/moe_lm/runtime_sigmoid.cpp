@@ -1,0 +1,3 @@
+#include "runtime_calls.hpp"
+
+MOE_LM_RUNTIME_CALLS(, moe_route::gating::sigmoid)

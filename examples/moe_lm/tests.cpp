@@ -1,0 +1,363 @@
+// moe_lm tests: the routing op's gradient against LibTorch autograd of the
+// same math, the JSONL loader's errors, the embedded data, and a smoke run of
+// pretraining and post-training under several conditions.
+#include <cstdio>
+#include <fstream>
+#include <set>
+#include <string>
+
+#include "analysis.hpp"
+#include "conditions.hpp"
+#include "data.hpp"
+#include "model.hpp"
+#include "train.hpp"
+
+// LibTorch brings glog's CHECK macros (an abort, not a test assertion); doctest's must win.
+#undef CHECK
+#undef CHECK_EQ
+#undef CHECK_NE
+#undef CHECK_LT
+#undef CHECK_LE
+#undef CHECK_GT
+#undef CHECK_GE
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+using namespace moe_lm;
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// The routing op against the same math in torch ops. Selection is not
+// differentiable, so the reference takes the library's indices and rebuilds
+// the gates and penalties from the logits with autograd.
+
+struct reference_case {
+  rt::router_config router;
+  bool with_prior = false;
+};
+
+double max_abs(const torch::Tensor& t) { return t.abs().max().item<double>(); }
+
+void check_gradient(const reference_case& rc) {
+  torch::manual_seed(7);
+  const std::int64_t n = 37, e = 8;
+  const int k = rc.router.top_k;
+  auto z = (torch::randn({n, e}) * 1.5).requires_grad_(true);
+  const auto upstream_gates = torch::randn({n, k});
+  const auto upstream_values = torch::tensor({0.7f, 1.3f, 0.9f, 1.1f, 0.5f});
+  route_call call;
+  call.router = rc.router;
+  auto bias = torch::randn({e}) * 0.1;
+  call.expert_bias = bias.data_ptr<float>();
+  std::vector<float> pi_probs;
+  torch::Tensor rows_t, prior_bias_t, prior_probs_t;
+  if (rc.with_prior) {
+    const std::int64_t s = 3;
+    const auto pi = torch::softmax(torch::randn({s, e}), 1).contiguous();
+    std::vector<std::vector<float>> tables{std::vector<float>(pi.data_ptr<float>(), pi.data_ptr<float>() + pi.numel())};
+    auto prepared = prepare_prior(tables, static_cast<int>(e));
+    call.prior = std::make_shared<const prior_table>(prepared[0]);
+    for (std::int64_t t = 0; t < n; ++t) call.prior_rows.push_back(static_cast<std::int32_t>(t % 4) - 1);  // -1 .. 2
+    prior_bias_t = torch::from_blob(const_cast<float*>(call.prior->bias.data()), {s, e}).clone();
+    prior_probs_t = torch::from_blob(const_cast<float*>(call.prior->probs.data()), {s, e}).clone();
+    rows_t = torch::from_blob(call.prior_rows.data(), {n}, torch::kInt32).to(torch::kInt64);
+  }
+  layer_record rec;
+  const auto out = route(z, call, rec);
+  (out[0] * upstream_gates).sum().add((out[1] * upstream_values).sum()).backward();
+  const auto grad_lib = z.grad().clone();
+
+  auto zr = z.detach().clone().requires_grad_(true);
+  const auto idx = rec.routed.to(torch::kInt64);
+  const bool softmax = rc.router.gating == rt::gating_kind::softmax;
+  // Gates from the (prior-biased, in training) logits.
+  torch::Tensor zg = zr;
+  torch::Tensor valid = torch::ones({n}, torch::kBool);
+  if (rc.with_prior) {
+    valid = rows_t >= 0;
+    const auto b = prior_bias_t.index_select(0, rows_t.clamp_min(0)) * valid.unsqueeze(1).to(torch::kFloat32);
+    zg = zr + rc.router.prior_bias.beta * b;
+  }
+  const auto scores = softmax ? torch::softmax(zg, 1) : torch::sigmoid(zg);
+  auto gates = scores.gather(1, idx);
+  if (rc.router.normalize) gates = gates / (gates.sum(1, true) + 1e-20);
+  // Penalties on the unbiased logits.
+  const auto p = softmax ? torch::softmax(zr, 1) : torch::sigmoid(zr) / torch::sigmoid(zr).sum(1, true);
+  std::vector<torch::Tensor> values(rt::num_penalties, torch::zeros({}));
+  if (rc.router.load_balance.coefficient != 0.0f) {
+    const auto f = torch::bincount(idx.reshape({-1}), {}, e).to(torch::kFloat32) / static_cast<double>(n * k);
+    values[0] = rc.router.load_balance.coefficient * static_cast<double>(e) * (f * p.mean(0)).sum();
+  }
+  if (rc.router.z_loss.coefficient != 0.0f)
+    values[1] = rc.router.z_loss.coefficient * torch::logsumexp(zr, 1).pow(2).mean();
+  if (rc.router.kl_to_base.coefficient != 0.0f) {
+    const auto target = prior_probs_t.index_select(0, rows_t.clamp_min(0));
+    const auto kl = (target * (target.log() - p.log())).sum(1) * valid.to(torch::kFloat32);
+    values[2] = rc.router.kl_to_base.coefficient * kl.sum() / valid.sum().to(torch::kFloat32);
+  }
+  auto loss = (gates * upstream_gates).sum();
+  for (int i = 0; i < rt::num_penalties; ++i) {
+    CHECK(out[1][i].item<double>() == doctest::Approx(values[static_cast<std::size_t>(i)].item<double>()).epsilon(1e-5));
+    loss = loss + values[static_cast<std::size_t>(i)] * upstream_values[i];
+  }
+  CHECK(max_abs(out[0] - gates.detach()) < 1e-6);
+  loss.backward();
+  CHECK(max_abs(grad_lib - zr.grad()) < 1e-5 * std::max(1.0, max_abs(zr.grad())));
+}
+
+std::string temp_file(const std::string& name, const std::string& contents) {
+  const std::string path = std::string("/tmp/moe_lm_test_") + name;
+  std::ofstream(path) << contents;
+  return path;
+}
+
+std::string load_error(const std::string& contents) {
+  const std::string path = temp_file("bad.jsonl", contents);
+  try {
+    load_jsonl(path);
+  } catch (const std::runtime_error& e) {
+    std::remove(path.c_str());
+    return e.what();
+  }
+  std::remove(path.c_str());
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+model_config tiny_config(gating_preset g) {
+  model_config c;
+  c.d_model = 32;
+  c.layers = 2;
+  c.heads = 2;
+  c.experts = 4;
+  c.top_k = 2;
+  c.expert_hidden = 32;
+  c.shared_hidden = 32;
+  c.gating = g;
+  c.bias_update_rate = 1e-2f;
+  return c;
+}
+
+double mean_loss(const train_result& r, std::size_t from, std::size_t to) {
+  double s = 0.0;
+  for (std::size_t i = from; i < to; ++i) s += r.log[i].task_loss;
+  return s / static_cast<double>(to - from);
+}
+
+}  // namespace
+
+TEST_CASE("route op: gradient of softmax gates with load balance and z-loss equals LibTorch autograd") {
+  reference_case rc;
+  rc.router.gating = rt::gating_kind::softmax;
+  rc.router.load_balance.coefficient = 0.01f;
+  rc.router.z_loss.coefficient = 0.001f;
+  check_gradient(rc);
+  rc.router.normalize = true;
+  check_gradient(rc);
+}
+
+TEST_CASE("route op: gradient of sigmoid normalised gates with an expert bias and penalties equals LibTorch autograd") {
+  reference_case rc;
+  rc.router.gating = rt::gating_kind::sigmoid;
+  rc.router.selection = rt::selection_kind::expert_bias;
+  rc.router.normalize = true;
+  rc.router.load_balance.coefficient = 0.01f;
+  rc.router.z_loss.coefficient = 0.002f;
+  check_gradient(rc);
+}
+
+TEST_CASE("route op: gradient under the soft prior (RPB) with kl_to_base equals LibTorch autograd") {
+  reference_case rc;
+  rc.with_prior = true;
+  rc.router.gating = rt::gating_kind::softmax;
+  rc.router.prior = rt::prior_kind::log_prior_bias;
+  rc.router.prior_bias.beta = 1.0f;
+  rc.router.kl_to_base.coefficient = 0.05f;
+  check_gradient(rc);
+}
+
+TEST_CASE("JSONL loader: examples and errors with line numbers") {
+  const std::string good = R"({"prompt": "1+1=", "answer": "2", "domain": "arithmetic"})";
+  const std::string path = temp_file("good.jsonl", good + "\n\n" + R"({"prompt":"reverse: ab","answer":"ba","domain":"words"})" + "\n");
+  const auto xs = load_jsonl(path);
+  std::remove(path.c_str());
+  REQUIRE(xs.size() == 2);
+  CHECK(xs[1].prompt == "reverse: ab");
+  CHECK(xs[1].answer == "ba");
+  CHECK(xs[1].dom == domain::words);
+
+  std::string e = load_error(good + "\n" + R"({"prompt": "1+2=", "answer": )" + "\n");
+  CHECK(contains(e, ":2: bad JSON"));
+  e = load_error(good + "\n" + good + "\n" + R"({"prompt": "1+2=", "domain": "arithmetic"})" + "\n");
+  CHECK(contains(e, ":3: missing field \"answer\""));
+  e = load_error(R"({"prompt": "1+2=", "answer": 3, "domain": "arithmetic"})");
+  CHECK(contains(e, ":1: field \"answer\" must be a string"));
+  e = load_error(good + "\n" + R"({"prompt": "x", "answer": "y", "domain": "poetry"})");
+  CHECK(contains(e, ":2: unknown domain \"poetry\""));
+  e = load_error("[1, 2]");
+  CHECK(contains(e, ":1: expected a JSON object"));
+  CHECK(contains(load_error("{\"prompt\": \"\", \"answer\": \"\", \"domain\": \"code\"}"), ":1: empty answer"));
+}
+
+TEST_CASE("embedded data: deterministic, disjoint parts, exact answers") {
+  const split a = default_data(3, 50, 30, 20, 20), b = default_data(3, 50, 30, 20, 20);
+  REQUIRE(a.train.size() == 150);
+  CHECK(a.post.size() == 90);
+  for (std::size_t i = 0; i < a.train.size(); ++i) CHECK(a.train[i].prompt == b.train[i].prompt);
+  std::set<std::string> train_prompts;
+  for (const auto& x : a.train) train_prompts.insert(x.prompt);
+  for (const auto& x : a.eval) CHECK(train_prompts.count(x.prompt) == 0);
+  for (const auto& x : a.train) {
+    CHECK(encoded_length(x) <= 48);
+    if (x.dom != domain::arithmetic) continue;
+    const auto op = x.prompt.find_first_of("+-*");
+    const int l = std::stoi(x.prompt.substr(0, op)), r = std::stoi(x.prompt.substr(op + 1));
+    const int v = x.prompt[op] == '+' ? l + r : (x.prompt[op] == '-' ? l - r : l * r);
+    CHECK(x.answer == std::to_string(v));
+  }
+}
+
+TEST_CASE("smoke: pretraining and post-training under several conditions; the prior is off at evaluation") {
+  const split data = default_data(1, 100, 80, 12, 12);
+  torch::manual_seed(0);
+  auto base = std::make_shared<model>(tiny_config(gating_preset::softmax));
+  rt::router_config pre_router = preset_router(base->config());
+  pre_router.load_balance.coefficient = 0.01f;
+  base->set_router(pre_router);
+  train_options pre;
+  pre.steps = 40;
+  pre.batch_size = 16;
+  pre.lr = 1e-2;
+  pre.threads = 1;
+  const train_result pr = train(*base, data.train, pre);
+  CHECK(mean_loss(pr, 35, 40) < mean_loss(pr, 0, 5));
+  const std::string ckpt = "/tmp/moe_lm_test_base.pt";
+  save_model(base, ckpt);
+  {  // the checkpoint gives the same model
+    auto again = load_model(ckpt);
+    const batch b = make_batch(data.eval, {0, 1, 2}, 48);
+    routing_context ctx;
+    ctx.mode = moe_route::mode::eval;
+    torch::NoGradGuard g;
+    base->eval();
+    again->eval();
+    CHECK(max_abs(base->forward(b.tokens, ctx) - again->forward(b.tokens, ctx)) == 0.0);
+  }
+
+  const auto post_set = of_domain(data.post, domain::arithmetic);
+  const auto probe_set = of_domain(data.probe, domain::arithmetic);
+  struct run {
+    condition c;
+    std::string admission;
+  };
+  for (const run& r : {run{condition::sft, "dropless"}, run{condition::lbl, "dropless"}, run{condition::rpb, "dropless"},
+                       run{condition::rpb_hard, "dropless"}, run{condition::router_l2, "dropless"},
+                       run{condition::kl_to_base, "dropless"}, run{condition::logit_l2, "dropless"},
+                       run{condition::z_loss, "dropless"}, run{condition::within_soft, "dropless"},
+                       run{condition::global_hard, "dropless"}, run{condition::sft, "cipher_strict"},
+                       run{condition::sft, "cipher_reroute"}}) {
+    CAPTURE(condition_name(r.c));
+    CAPTURE(r.admission);
+    auto m = load_model(ckpt);
+    condition_params cp;
+    cp.router_l2 = 10.0f;
+    const condition_setup cs = setup(r.c, m->router(), cp);
+    const routing_trace base_trace = probe(*m, probe_set);
+    train_options o;
+    o.steps = 20;
+    o.batch_size = 16;
+    o.lr = 3e-3;
+    o.threads = 1;
+    o.seed = 5;
+    o.prior_rows = cs.prior != prior_source::none;
+    o.router_l2 = cs.router_l2;
+    o.update_expert_bias = cs.update_expert_bias;
+    if (cs.router_l2 != 0.0f)
+      for (const auto& w : m->router_weights()) o.base_router.push_back(w.detach().clone());
+    std::vector<prior_table> tables;
+    if (cs.prior != prior_source::none) {
+      auto pi = build_prior(*m, post_set);
+      if (cs.prior == prior_source::within_shuffle) {
+        const auto comm = communities(base_trace, {});
+        shuffle_prior(pi, 4, &comm, 1);
+      } else if (cs.prior == prior_source::global_shuffle) {
+        shuffle_prior(pi, 4, nullptr, 1);
+      }
+      tables = prepare_prior(pi, 4);
+      m->set_prior(tables);
+    }
+    m->set_router(cs.router);
+    rt::admission_config adm;
+    if (r.admission != "dropless") {
+      adm.dropless = false;
+      adm.affinity = rt::affinity_kind::cosine;
+      adm.threshold = 0.0f;
+      adm.capacity_factor = 1.0;
+      if (r.admission == "cipher_reroute") adm.overflow = rt::overflow_kind::reroute;
+    }
+    m->set_admission(adm);
+    const train_result tr = train(*m, post_set, o);
+    CHECK(mean_loss(tr, 15, 20) < mean_loss(tr, 0, 5));
+    if (r.c == condition::lbl || r.c == condition::kl_to_base || r.c == condition::z_loss || r.c == condition::logit_l2)
+      CHECK(tr.log.back().aux_loss > 0.0);
+    if (r.c == condition::router_l2) CHECK(tr.log.back().router_l2 > 0.0);
+    if (r.admission != "dropless") {
+      std::int64_t executed = 0;
+      for (auto v : tr.executed_loads[0]) executed += v;
+      CHECK(executed <= tr.slots);
+    }
+    if (!tables.empty()) {
+      // Bias-free probe: the same routing with and without the prior table.
+      const routing_trace with_prior = probe(*m, probe_set);
+      m->set_prior({});
+      const routing_trace without_prior = probe(*m, probe_set);
+      CHECK(with_prior.indices == without_prior.indices);
+      const auto ret = retention(base_trace, with_prior, {});
+      CHECK(ret["topk_overlap"].get<double>() >= 0.0);
+      CHECK(ret["topk_overlap"].get<double>() <= 1.0);
+    }
+    const auto metrics = evaluate(*m, data.eval);
+    CHECK(metrics.size() == 3);
+  }
+  std::remove(ckpt.c_str());
+}
+
+TEST_CASE("the prior acts in training: a large beta changes the training-mode routing, not the eval-mode one") {
+  const split data = default_data(2, 10, 20, 4, 4);
+  torch::manual_seed(1);
+  auto m = std::make_shared<model>(tiny_config(gating_preset::softmax));
+  const auto set = of_domain(data.post, domain::code);
+  m->set_prior(prepare_prior(build_prior(*m, set), 4));
+  rt::router_config r = preset_router(m->config());
+  r.prior = rt::prior_kind::log_prior_bias;
+  r.prior_bias.beta = 20.0f;
+  const batch b = make_batch(set, {0, 1, 2, 3}, 48);
+  torch::NoGradGuard g;
+  const auto routed = [&](moe_route::mode mode, bool prior_on) {
+    m->set_router(prior_on ? r : preset_router(m->config()));
+    routing_context ctx;
+    ctx.mode = mode;
+    ctx.prior_rows = &b.prior_rows;
+    m->forward(b.tokens, ctx);
+    return m->moe_layers()[0]->last.routed.clone();
+  };
+  CHECK(!torch::equal(routed(moe_route::mode::train, true), routed(moe_route::mode::train, false)));
+  CHECK(torch::equal(routed(moe_route::mode::eval, true), routed(moe_route::mode::eval, false)));
+}
+
+TEST_CASE("sigmoid_bias preset: the expert bias moves with the loads during training") {
+  const split data = default_data(4, 40, 10, 4, 4);
+  torch::manual_seed(2);
+  auto m = std::make_shared<model>(tiny_config(gating_preset::sigmoid_bias));
+  train_options o;
+  o.steps = 5;
+  o.batch_size = 8;
+  o.threads = 1;
+  train(*m, data.train, o);
+  // Each step moves every bias by at most the update rate.
+  const double moved = max_abs(m->moe_layers()[0]->expert_bias);
+  CHECK(moved > 0.0);
+  CHECK(moved <= 5 * 1e-2 + 1e-6);
+}

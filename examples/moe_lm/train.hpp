@@ -1,0 +1,96 @@
+// moe_lm: batches, the training loop, evaluation, the routing probe and the
+// RPB prior of a model.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "analysis.hpp"
+#include "data.hpp"
+#include "model.hpp"
+
+namespace moe_lm {
+
+// One batch of examples as BOS prompt SEP answer EOS, inputs and next-token
+// targets right-padded to the longest example. The per-token vectors are
+// over the routed (non-PAD) input tokens, row-major, as the routers see them.
+struct batch {
+  torch::Tensor tokens;            // [B x T] int64 inputs
+  torch::Tensor targets;           // [B x T] int64 next tokens (PAD past the end)
+  torch::Tensor answer_positions;  // flat [B*T] positions whose target is an answer byte or EOS
+  std::vector<std::int32_t> prior_rows;    // 2 * sample + span (0: BOS and prompt, 1: SEP and answer)
+  std::vector<std::int32_t> sequence_ids;  // row of the batch
+  std::vector<std::int32_t> domains;
+  std::int32_t sequences = 0;
+};
+// `which` indexes `data`; that index is the sample of the prior rows.
+batch make_batch(const std::vector<example>& data, const std::vector<std::size_t>& which, std::int64_t max_len);
+
+// Each routed token's admission group: `groups` contiguous runs of the batch's
+// sequences, like expert-parallel ranks each holding a micro-batch.
+std::vector<std::int32_t> admission_groups(const batch& b, int groups);
+
+struct step_log {
+  int step = 0;
+  double task_loss = 0.0;  // mean cross-entropy on the answer span
+  double aux_loss = 0.0;   // sum of the routers' penalty values
+  double router_l2 = 0.0;  // penalty::router_l2's value (0 when off)
+  double ms = 0.0;         // wall time of the step
+};
+
+struct train_options {
+  int steps = 200;
+  int batch_size = 32;
+  double lr = 3e-3;
+  double clip = 1.0;  // global gradient-norm clip (0: none)
+  std::uint64_t seed = 0;
+  int threads = 1;  // torch::set_num_threads (Debian's reference BLAS is single-threaded)
+  bool update_expert_bias = true;  // expert_bias selections: selection::expert_bias::update each step
+  float router_l2 = 0.0f;          // lambda of penalty::router_l2, against base_router
+  std::vector<torch::Tensor> base_router;  // the frozen W_r of each layer
+  int admission_groups = 1;
+  bool prior_rows = false;  // pass r(t) (the model has a prior or a prior-space penalty)
+  int log_every = 0;        // call on_log every log_every steps (and at the last)
+  std::function<void(const step_log&)> on_log;
+};
+
+struct train_result {
+  std::vector<step_log> log;  // every step
+  // Per layer, summed over the steps: selections per expert before admission
+  // and executed assignments after it; slots = N * K summed over the steps.
+  std::vector<std::vector<std::int64_t>> routed_loads, executed_loads;
+  std::int64_t slots = 0;
+};
+
+// Adam on the answer-span loss plus the routers' penalties (and Router-L2).
+// Deterministic for a seed and thread count.
+train_result train(model& m, const std::vector<example>& data, const train_options& o);
+
+struct domain_metrics {
+  std::string domain;
+  std::int64_t examples = 0;
+  double accuracy = 0.0;     // exact match of the greedy answer
+  double answer_loss = 0.0;  // mean cross-entropy per answer-span token
+};
+// Per domain present in `data`, in domain order; routers in mode::eval.
+std::vector<domain_metrics> evaluate(model& m, const std::vector<example>& data, int batch_size = 256);
+
+// The greedy answer of one prompt (mode::eval), at most max_bytes bytes.
+std::string generate(model& m, const std::string& prompt, int max_bytes);
+
+// Routing indices of every MoE layer on every input token of `data`, bias-free
+// (mode::eval: no prior, no penalty).
+routing_trace probe(model& m, const std::vector<example>& data, int batch_size = 256);
+
+// The RPB prior of `data` under m's routers (eval mode, RPB eq. 2): per layer
+// a [2|data| x E] table whose row 2i (2i + 1) is the mean routing
+// distribution over example i's prompt (answer) span.
+std::vector<std::vector<float>> build_prior(model& m, const std::vector<example>& data, int batch_size = 256);
+// prior::prepare of each layer's table.
+std::vector<prior_table> prepare_prior(const std::vector<std::vector<float>>& pi, int experts);
+
+}  // namespace moe_lm
