@@ -36,10 +36,17 @@ nlohmann::json retention(const routing_trace& base, const routing_trace& post, c
   if (base.layers != post.layers || base.tokens != post.tokens || base.k != post.k || base.experts != post.experts)
     throw std::invalid_argument("retention: base and post traces must cover the same probe tokens and shapes");
   an::retention_options o = options_of(s, s.nulls);
-  o.domains = base.domains.empty() ? nullptr : base.domains.data();
+  // Cross-domain statistics only when the probe mixes domains.
   int domains = 0;
-  for (std::int32_t d : base.domains) domains = std::max(domains, d + 1);
-  o.num_domains = domains;
+  bool mixed = false;
+  for (std::int32_t d : base.domains) {
+    domains = std::max(domains, d + 1);
+    mixed = mixed || d != base.domains.front();
+  }
+  if (mixed) {
+    o.domains = base.domains.data();
+    o.num_domains = domains;
+  }
   const an::retention_result r = an::compare_routing(base.indices.data(), post.indices.data(), shape_of(base), o);
   nlohmann::json layers = nlohmann::json::array();
   for (const auto& l : r.layers)

@@ -104,8 +104,9 @@ json train_json(const train_result& r, int every) {
 }
 
 void progress(const char* what, const step_log& s, int steps) {
-  std::fprintf(stderr, "[%s] step %d/%d  loss %.4f  aux %.5f%s  %.1f ms/step\n", what, s.step, steps, s.task_loss,
-               s.aux_loss, s.router_l2 != 0.0 ? (" router_l2 " + std::to_string(s.router_l2)).c_str() : "", s.ms);
+  std::fprintf(stderr, "[%s] step %d/%d  loss %.4f (window mean %.4f)  aux %.5f%s  lr %.2e  %.1f ms/step\n", what,
+               s.step, steps, s.task_loss, s.window_loss, s.aux_loss,
+               s.router_l2 != 0.0 ? (" router_l2 " + std::to_string(s.router_l2)).c_str() : "", s.lr, s.ms);
 }
 
 void emit(const json& j, const std::string& path) {
@@ -187,6 +188,7 @@ int main(int argc, char** argv) {
   pre->add_option("--lr", pre_opt.lr, "Adam learning rate");
   pre->add_option("--seed", pre_opt.seed, "initialisation and batch-order seed");
   pre->add_option("--lbl", pre_lbl, "load-balancing coefficient alpha during pretraining");
+  pre->add_flag("--prompt-loss", pre_opt.prompt_loss, "also predict the prompt bytes (language-model pretraining)");
   add_data_options(pre, pre_data);
 
   // posttrain
@@ -265,7 +267,10 @@ int main(int argc, char** argv) {
       emit({{"command", "pretrain"},
             {"model", json::parse(to_json(mc))},
             {"seed", pre_opt.seed},
+            {"steps", pre_opt.steps},
+            {"lr", pre_opt.lr},
             {"lbl", pre_lbl},
+            {"prompt_loss", pre_opt.prompt_loss},
             {"checkpoint", out_path},
             {"train", train_json(tr, log_every)},
             {"eval", metrics_json(evaluate(*m, data.eval))},

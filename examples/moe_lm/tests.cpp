@@ -324,6 +324,31 @@ TEST_CASE("smoke: pretraining and post-training under several conditions; the pr
   std::remove(ckpt.c_str());
 }
 
+TEST_CASE("exact match from one teacher-forced forward equals greedy decoding") {
+  const split data = default_data(6, 8, 4, 8, 4);
+  torch::manual_seed(3);
+  auto m = std::make_shared<model>(tiny_config(gating_preset::softmax));
+  const std::vector<example> memorised{data.train[0], data.train[8], data.train[16], data.train[17]};
+  train_options o;
+  o.steps = 80;
+  o.batch_size = 4;
+  o.lr = 1e-2;
+  train(*m, memorised, o);
+  std::vector<example> mixed = memorised;
+  for (std::size_t i : {0, 1, 8, 9, 16, 17}) mixed.push_back(data.eval[i]);
+  int exact = 0;
+  for (const example& x : mixed) {
+    CAPTURE(x.prompt);
+    bool eos = false;
+    const std::string greedy = generate(*m, x.prompt, static_cast<int>(x.answer.size()) + 1, &eos);
+    const bool greedy_exact = eos && greedy == x.answer;
+    exact += greedy_exact;
+    CHECK(greedy_exact == (evaluate(*m, {x}).front().accuracy == 1.0));
+  }
+  CHECK(exact > 0);  // the memorised examples make the comparison non-vacuous
+  CHECK(evaluate(*m, mixed).size() == 3);
+}
+
 TEST_CASE("the prior acts in training: a large beta changes the training-mode routing, not the eval-mode one") {
   const split data = default_data(2, 10, 20, 4, 4);
   torch::manual_seed(1);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <stdexcept>
 
 #include <moe_route/penalty/router_l2.hpp>
@@ -33,10 +34,10 @@ routing_context context_of(const batch& b, moe_route::mode mode, bool prior_rows
   return ctx;
 }
 
-torch::Tensor answer_loss(model& m, const batch& b, const torch::Tensor& hidden) {
+torch::Tensor task_loss(model& m, const batch& b, const torch::Tensor& hidden, const torch::Tensor& positions) {
   const std::int64_t d = hidden.size(-1);
-  const auto h = hidden.reshape({-1, d}).index_select(0, b.answer_positions);
-  const auto y = b.targets.reshape({-1}).index_select(0, b.answer_positions);
+  const auto h = hidden.reshape({-1, d}).index_select(0, positions);
+  const auto y = b.targets.reshape({-1}).index_select(0, positions);
   return torch::nn::functional::cross_entropy(m.logits(h), y);
 }
 
@@ -65,7 +66,7 @@ batch make_batch(const std::vector<example>& data, const std::vector<std::size_t
   b.targets = torch::full({rows, width}, vocab::pad, torch::kInt64);
   auto tok = b.tokens.accessor<std::int64_t, 2>();
   auto tgt = b.targets.accessor<std::int64_t, 2>();
-  std::vector<std::int64_t> answer;
+  std::vector<std::int64_t> answer, any;
   for (std::int64_t r = 0; r < rows; ++r) {
     const auto& s = seqs[static_cast<std::size_t>(r)];
     const auto prompt_end = static_cast<std::int64_t>(data[which[static_cast<std::size_t>(r)]].prompt.size());  // index of the last prompt byte
@@ -75,12 +76,14 @@ batch make_batch(const std::vector<example>& data, const std::vector<std::size_t
       tgt[r][i] = s[static_cast<std::size_t>(i) + 1];
       const int span = i <= prompt_end ? 0 : 1;
       if (span == 1) answer.push_back(r * width + i);
+      any.push_back(r * width + i);
       b.prior_rows.push_back(static_cast<std::int32_t>(2 * which[static_cast<std::size_t>(r)] + span));
       b.sequence_ids.push_back(static_cast<std::int32_t>(r));
       b.domains.push_back(static_cast<std::int32_t>(data[which[static_cast<std::size_t>(r)]].dom));
     }
   }
   b.answer_positions = torch::tensor(answer, torch::kInt64);
+  b.target_positions = torch::tensor(any, torch::kInt64);
   b.sequences = static_cast<std::int32_t>(rows);
   return b;
 }
@@ -100,6 +103,14 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
   torch::set_num_threads(o.threads);
   m.train();
   torch::optim::Adam opt(m.parameters(), torch::optim::AdamOptions(o.lr));
+  const int warmup = o.warmup >= 0 ? o.warmup : std::min(100, o.steps / 10);
+  const auto lr_at = [&](int step) {
+    if (step <= warmup) return o.lr * step / (warmup + 1);
+    const double progress = static_cast<double>(step - warmup) / std::max(1, o.steps - warmup);
+    return o.lr * (o.final_lr_ratio + (1.0 - o.final_lr_ratio) * 0.5 * (1.0 + std::cos(3.141592653589793 * progress)));
+  };
+  double window = 0.0;
+  int window_steps = 0;
   rng r(o.seed ^ 0x5eedull);
   std::vector<std::size_t> order = range(0, data.size());
   std::size_t cursor = order.size();
@@ -127,7 +138,7 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
     }
     opt.zero_grad();
     const auto hidden = m.forward(b.tokens, ctx);
-    const auto task = answer_loss(m, b, hidden);
+    const auto task = task_loss(m, b, hidden, o.prompt_loss ? b.target_positions : b.answer_positions);
     const auto aux = m.aux_loss();
     (task + aux).backward();
     step_log log;
@@ -148,6 +159,8 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
       log.router_l2 = moe_route::penalty::router_l2{o.router_l2}.apply(layers.data(), static_cast<int>(layers.size()));
     }
     if (o.clip > 0.0) torch::nn::utils::clip_grad_norm_(m.parameters(), o.clip);
+    log.lr = lr_at(step);
+    for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamOptions&>(group.options()).lr(log.lr);
     opt.step();
     if (o.update_expert_bias)
       for (const auto& layer : m.moe_layers())
@@ -165,7 +178,14 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
     }
     result.slots += m.moe_layers().front()->last.routed.numel();
     result.log.push_back(log);
-    if (o.on_log && o.log_every > 0 && (step % o.log_every == 0 || step == o.steps)) o.on_log(log);
+    window += log.task_loss;
+    ++window_steps;
+    if (o.on_log && o.log_every > 0 && (step % o.log_every == 0 || step == o.steps)) {
+      log.window_loss = window / window_steps;
+      window = 0.0;
+      window_steps = 0;
+      o.on_log(log);
+    }
   }
   return result;
 }
@@ -222,20 +242,24 @@ std::vector<domain_metrics> evaluate(model& m, const std::vector<example>& data,
   return result;
 }
 
-std::string generate(model& m, const std::string& prompt, int max_bytes) {
+std::string generate(model& m, const std::string& prompt, int max_bytes, bool* eos) {
   torch::NoGradGuard no_grad;
   m.eval();
   std::vector<std::int64_t> s{vocab::bos};
   for (char c : prompt) s.push_back(vocab::of(c));
   s.push_back(vocab::sep);
   std::string out;
+  if (eos) *eos = false;
   while (static_cast<int>(out.size()) < max_bytes && static_cast<std::int64_t>(s.size()) <= m.config().max_len) {
     routing_context ctx;
     ctx.mode = moe_route::mode::eval;
     const auto tokens = torch::tensor(s, torch::kInt64).unsqueeze(0);
     const auto h = m.forward(tokens, ctx).select(1, static_cast<std::int64_t>(s.size()) - 1);
     const auto next = m.logits(h).argmax(-1).item<std::int64_t>();
-    if (next < vocab::first_byte) break;
+    if (next < vocab::first_byte) {
+      if (eos) *eos = next == vocab::eos;
+      break;
+    }
     out.push_back(static_cast<char>(next - vocab::first_byte));
     s.push_back(next);
   }

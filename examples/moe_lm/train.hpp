@@ -22,6 +22,7 @@ struct batch {
   torch::Tensor tokens;            // [B x T] int64 inputs
   torch::Tensor targets;           // [B x T] int64 next tokens (PAD past the end)
   torch::Tensor answer_positions;  // flat [B*T] positions whose target is an answer byte or EOS
+  torch::Tensor target_positions;  // flat [B*T] positions with any target (prompt and answer)
   std::vector<std::int32_t> prior_rows;    // 2 * sample + span (0: BOS and prompt, 1: SEP and answer)
   std::vector<std::int32_t> sequence_ids;  // row of the batch
   std::vector<std::int32_t> domains;
@@ -40,12 +41,16 @@ struct step_log {
   double aux_loss = 0.0;   // sum of the routers' penalty values
   double router_l2 = 0.0;  // penalty::router_l2's value (0 when off)
   double ms = 0.0;         // wall time of the step
+  double lr = 0.0;         // the learning rate of the step
+  double window_loss = 0.0;  // mean task loss since the previous on_log call (set for on_log)
 };
 
 struct train_options {
   int steps = 200;
   int batch_size = 32;
-  double lr = 3e-3;
+  double lr = 3e-3;          // peak learning rate
+  int warmup = -1;           // linear warm-up steps (< 0: min(100, steps / 10))
+  double final_lr_ratio = 0.1;  // cosine decay from lr to lr * final_lr_ratio after the warm-up
   double clip = 1.0;  // global gradient-norm clip (0: none)
   std::uint64_t seed = 0;
   int threads = 1;  // torch::set_num_threads (Debian's reference BLAS is single-threaded)
@@ -54,6 +59,7 @@ struct train_options {
   std::vector<torch::Tensor> base_router;  // the frozen W_r of each layer
   int admission_groups = 1;
   bool prior_rows = false;  // pass r(t) (the model has a prior or a prior-space penalty)
+  bool prompt_loss = false; // also predict the prompt bytes (language-model pretraining), not only the answer
   int log_every = 0;        // call on_log every log_every steps (and at the last)
   std::function<void(const step_log&)> on_log;
 };
@@ -79,8 +85,9 @@ struct domain_metrics {
 // Per domain present in `data`, in domain order; routers in mode::eval.
 std::vector<domain_metrics> evaluate(model& m, const std::vector<example>& data, int batch_size = 256);
 
-// The greedy answer of one prompt (mode::eval), at most max_bytes bytes.
-std::string generate(model& m, const std::string& prompt, int max_bytes);
+// The greedy answer of one prompt (mode::eval): bytes until a special token,
+// at most max_bytes of them. *eos (if given) tells whether EOS ended it.
+std::string generate(model& m, const std::string& prompt, int max_bytes, bool* eos = nullptr);
 
 // Routing indices of every MoE layer on every input token of `data`, bias-free
 // (mode::eval: no prior, no penalty).
