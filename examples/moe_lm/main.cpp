@@ -168,6 +168,7 @@ int main(int argc, char** argv) {
   std::string preset = "softmax", out_path;
   train_options pre_opt;
   pre_opt.steps = 1500;
+  pre_opt.prompt_loss = true;
   float pre_lbl = 1e-2f;
   data_options pre_data;
   pre->add_option("--out", out_path, "checkpoint to write")->required();
@@ -188,7 +189,8 @@ int main(int argc, char** argv) {
   pre->add_option("--lr", pre_opt.lr, "Adam learning rate");
   pre->add_option("--seed", pre_opt.seed, "initialisation and batch-order seed");
   pre->add_option("--lbl", pre_lbl, "load-balancing coefficient alpha during pretraining");
-  pre->add_flag("--prompt-loss", pre_opt.prompt_loss, "also predict the prompt bytes (language-model pretraining)");
+  pre->add_flag("--answer-only", [&](std::int64_t) { pre_opt.prompt_loss = false; },
+                "train on the answer span only (default: predict the prompt bytes too, as a language model)");
   add_data_options(pre, pre_data);
 
   // posttrain

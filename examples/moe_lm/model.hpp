@@ -34,7 +34,7 @@ struct model_config {
   std::int64_t d_model = 64;
   std::int64_t layers = 2;
   std::int64_t heads = 4;
-  std::int64_t experts = 8;
+  std::int64_t experts = 16;  // E = 8 leaves too few co-activation edges for communities
   int top_k = 2;
   std::int64_t expert_hidden = 64;   // per routed expert
   std::int64_t shared_hidden = 128;  // the shared expert
