@@ -77,10 +77,12 @@ json id_ood(const std::vector<domain_metrics>& ms, const std::string& in_domain)
 }
 
 json train_json(const train_result& r, int every) {
-  double ms = 0.0;
+  double ms = 0.0, expert_ms = 0.0, expert_rows = 0.0;
   json log = json::array();
   for (const auto& s : r.log) {
     ms += s.ms;
+    expert_ms += s.expert_ms;
+    expert_rows += static_cast<double>(s.expert_rows);
     if (every > 0 && (s.step % every == 0 || s.step == static_cast<int>(r.log.size()) || s.step == 1))
       log.push_back({{"step", s.step}, {"task_loss", s.task_loss}, {"aux_loss", s.aux_loss}, {"router_l2", s.router_l2}});
   }
@@ -99,6 +101,8 @@ json train_json(const train_result& r, int every) {
           {"first_loss", r.log.empty() ? 0.0 : r.log.front().task_loss},
           {"last_loss", r.log.empty() ? 0.0 : r.log.back().task_loss},
           {"mean_step_ms", r.log.empty() ? 0.0 : ms / static_cast<double>(r.log.size())},
+          {"mean_expert_ms", r.log.empty() ? 0.0 : expert_ms / static_cast<double>(r.log.size())},
+          {"mean_expert_rows", r.log.empty() ? 0.0 : expert_rows / static_cast<double>(r.log.size())},
           {"log", log},
           {"layers", loads}};
 }
@@ -218,6 +222,9 @@ int main(int argc, char** argv) {
   post->add_option("--fill-factor", fill_factor, "cipher_reroute fill factor");
   post->add_option("--groups", post_opt.admission_groups, "admission groups per batch (expert-parallel ranks)");
   post->add_flag("--admit-at-eval", admit_at_eval, "admission also when evaluating");
+  bool pad_experts = false;
+  post->add_flag("--pad-experts", pad_experts,
+                 "run every expert on as many rows as the most loaded one (capacity-padded expert time)");
   post->add_option("--out", post_out, "write the post-trained checkpoint here");
   post->add_option("--steps", post_opt.steps, "training steps");
   post->add_option("--batch", post_opt.batch_size, "examples per step");
@@ -296,7 +303,8 @@ int main(int argc, char** argv) {
 
       json result = {{"command", "posttrain"}, {"base", base_path}, {"domain", domain_name(dom)},
                      {"condition", condition_name(cond)}, {"seed", post_opt.seed},
-                     {"admission", admission_json(admission_arg, adm)}, {"model", json::parse(to_json(c))}};
+                     {"admission", admission_json(admission_arg, adm)}, {"pad_experts", pad_experts},
+                     {"model", json::parse(to_json(c))}};
       if (eval_base) {
         const auto base_metrics = evaluate(*m, data.eval);
         result["base_eval"] = metrics_json(base_metrics);
@@ -323,6 +331,7 @@ int main(int argc, char** argv) {
       post_opt.on_log = [&](const step_log& s) { progress(condition_name(cond), s, post_opt.steps); };
       m->set_router(cs.router);
       m->set_admission(adm, admit_at_eval);
+      m->set_expert_padding(pad_experts);
       const train_result tr = train(*m, post_set, post_opt);
       const auto metrics = evaluate(*m, data.eval);
       const routing_trace post_trace = probe(*m, probe_set);

@@ -1,5 +1,7 @@
 #include "model.hpp"
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -288,11 +290,19 @@ torch::Tensor moe_ffn::forward(const torch::Tensor& x, const routing_context& ct
 
   const torch::Tensor source = permutation.slice(0, 0, rows).div(k, "floor");
   const torch::Tensor xe = x.index_select(0, source);
+  const std::int64_t peak = *std::max_element(counts.begin(), counts.end());
   std::vector<torch::Tensor> ys;
+  const auto start = std::chrono::steady_clock::now();
+  last.expert_rows = 0;
   for (std::int64_t j = 0; j < e; ++j) {
     const std::int64_t r0 = offsets[static_cast<std::size_t>(j)], r1 = offsets[static_cast<std::size_t>(j) + 1];
-    if (r1 > r0) ys.push_back(torch::matmul(torch::silu(torch::matmul(xe.slice(0, r0, r1), w1_[j])), w2_[j]));
+    torch::Tensor in = xe.slice(0, r0, r1);
+    if (pad_experts && peak > r1 - r0) in = torch::cat({in, torch::zeros({peak - (r1 - r0), d}, x.options())}, 0);
+    last.expert_rows += in.size(0);
+    if (in.size(0) == 0) continue;
+    ys.push_back(torch::matmul(torch::silu(torch::matmul(in, w1_[j])), w2_[j]).slice(0, 0, r1 - r0));
   }
+  last.expert_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   ys.push_back(torch::zeros({1, d}, x.options()));  // the row a dropped slot gathers
   const torch::Tensor y = torch::cat(ys, 0);
   const torch::Tensor slot_rows = torch::where(inverse < 0, torch::full_like(inverse, rows), inverse);
@@ -396,6 +406,10 @@ void model::set_prior(const std::vector<prior_table>& tables) {
     throw std::invalid_argument("set_prior: one table per MoE layer");
   for (std::size_t l = 0; l < moes_.size(); ++l)
     moes_[l]->prior = tables.empty() ? nullptr : std::make_shared<const prior_table>(tables[l]);
+}
+
+void model::set_expert_padding(bool pad) {
+  for (auto& m : moes_) m->pad_experts = pad;
 }
 
 void model::set_router_threads(int threads) {

@@ -77,7 +77,8 @@ struct layer_record {
   torch::Tensor logits;     // [N x E] (keep_logits only)
   std::vector<std::int64_t> routed_counts;  // [E] selections per expert before admission
   std::vector<std::int64_t> counts;         // [E] executed assignments per expert
-  moe_route::admission_report admission;    // zero without admission
+  double expert_ms = 0.0;        // wall time of the routed experts' forward
+  std::int64_t expert_rows = 0;  // rows the routed experts ran (padding included)
 };
 
 class rms_norm : public torch::nn::Module {
@@ -100,6 +101,10 @@ class moe_ffn : public torch::nn::Module {
   rt::router_config router;
   rt::admission_config admission;  // dropless by default
   bool admit_at_eval = false;
+  // Run every expert on as many rows as the most loaded one (zero rows as
+  // padding), as in expert-parallel training with capacity-padded buffers,
+  // where the hottest expert sets the step time.
+  bool pad_experts = false;
   std::shared_ptr<const prior_table> prior;
   int threads = 1;
   layer_record last;
@@ -142,6 +147,7 @@ class model : public torch::nn::Module {
   // One prepared table per layer (or an empty vector to drop the prior).
   void set_prior(const std::vector<prior_table>& tables);
   void set_router_threads(int threads);
+  void set_expert_padding(bool pad);
 
   const model_config& config() const { return cfg_; }
   const std::vector<std::shared_ptr<moe_ffn>>& moe_layers() const { return moes_; }

@@ -1,6 +1,7 @@
 // moe_lm tests: the routing op's gradient against LibTorch autograd of the
 // same math, the JSONL loader's errors, the embedded data, and a smoke run of
 // pretraining and post-training under several conditions.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <set>
@@ -307,6 +308,22 @@ TEST_CASE("smoke: pretraining and post-training under several conditions; the pr
       std::int64_t executed = 0;
       for (auto v : tr.executed_loads[0]) executed += v;
       CHECK(executed <= tr.slots);
+    }
+    if (r.admission == "cipher_strict") {
+      // Capacity-padded experts run E x (peak load) rows per layer and compute the same outputs.
+      const batch b = make_batch(data.eval, {0, 1, 2, 3}, 48);
+      routing_context ctx;
+      ctx.mode = moe_route::mode::eval;
+      torch::NoGradGuard g;
+      m->eval();
+      const auto plain = m->forward(b.tokens, ctx);
+      const auto& last = m->moe_layers()[0]->last;
+      const std::int64_t peak = *std::max_element(last.counts.begin(), last.counts.end());
+      CHECK(last.expert_rows == last.executed.numel());
+      m->set_expert_padding(true);
+      const auto padded = m->forward(b.tokens, ctx);
+      CHECK(m->moe_layers()[0]->last.expert_rows == peak * 4);
+      CHECK(max_abs(plain - padded) < 1e-5);
     }
     if (!tables.empty()) {
       // Bias-free probe: the same routing with and without the prior table.

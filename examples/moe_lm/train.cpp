@@ -171,6 +171,8 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
     log.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     for (std::size_t l = 0; l < m.moe_layers().size(); ++l) {
       const auto& rec = m.moe_layers()[l]->last;
+      log.expert_ms += rec.expert_ms;
+      log.expert_rows += rec.expert_rows;
       for (std::size_t j = 0; j < e; ++j) {
         result.routed_loads[l][j] += rec.routed_counts[j];
         result.executed_loads[l][j] += rec.counts[j];

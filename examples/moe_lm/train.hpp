@@ -42,6 +42,8 @@ struct step_log {
   double router_l2 = 0.0;  // penalty::router_l2's value (0 when off)
   double ms = 0.0;         // wall time of the step
   double lr = 0.0;         // the learning rate of the step
+  double expert_ms = 0.0;  // routed experts' forward, summed over layers
+  std::int64_t expert_rows = 0;  // rows the routed experts ran, summed over layers
   double window_loss = 0.0;  // mean task loss since the previous on_log call (set for on_log)
 };
 
