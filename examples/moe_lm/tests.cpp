@@ -220,10 +220,19 @@ TEST_CASE("embedded data: deterministic, disjoint parts, exact answers") {
   }
 }
 
-TEST_CASE("smoke: pretraining and post-training under several conditions; the prior is off at evaluation") {
+namespace {
+
+struct smoke_run {
+  condition c;
+  std::string admission;
+  int groups = 1;
+};
+
+// Pretrains a tiny model of `preset`, then post-trains a copy under each run.
+void smoke(gating_preset preset, const std::vector<smoke_run>& runs) {
   const split data = default_data(1, 100, 80, 12, 12);
   torch::manual_seed(0);
-  auto base = std::make_shared<model>(tiny_config(gating_preset::softmax));
+  auto base = std::make_shared<model>(tiny_config(preset));
   rt::router_config pre_router = preset_router(base->config());
   pre_router.load_balance.coefficient = 0.01f;
   base->set_router(pre_router);
@@ -234,7 +243,7 @@ TEST_CASE("smoke: pretraining and post-training under several conditions; the pr
   pre.threads = 1;
   const train_result pr = train(*base, data.train, pre);
   CHECK(mean_loss(pr, 35, 40) < mean_loss(pr, 0, 5));
-  const std::string ckpt = "/tmp/moe_lm_test_base.pt";
+  const std::string ckpt = std::string("/tmp/moe_lm_test_base_") + preset_name(preset) + ".pt";
   save_model(base, ckpt);
   {  // the checkpoint gives the same model
     auto again = load_model(ckpt);
@@ -249,16 +258,7 @@ TEST_CASE("smoke: pretraining and post-training under several conditions; the pr
 
   const auto post_set = of_domain(data.post, domain::arithmetic);
   const auto probe_set = of_domain(data.probe, domain::arithmetic);
-  struct run {
-    condition c;
-    std::string admission;
-  };
-  for (const run& r : {run{condition::sft, "dropless"}, run{condition::lbl, "dropless"}, run{condition::rpb, "dropless"},
-                       run{condition::rpb_hard, "dropless"}, run{condition::router_l2, "dropless"},
-                       run{condition::kl_to_base, "dropless"}, run{condition::logit_l2, "dropless"},
-                       run{condition::z_loss, "dropless"}, run{condition::within_soft, "dropless"},
-                       run{condition::global_hard, "dropless"}, run{condition::sft, "cipher_strict"},
-                       run{condition::sft, "cipher_reroute"}}) {
+  for (const smoke_run& r : runs) {
     CAPTURE(condition_name(r.c));
     CAPTURE(r.admission);
     auto m = load_model(ckpt);
@@ -275,6 +275,7 @@ TEST_CASE("smoke: pretraining and post-training under several conditions; the pr
     o.prior_rows = cs.prior != prior_source::none;
     o.router_l2 = cs.router_l2;
     o.update_expert_bias = cs.update_expert_bias;
+    o.admission_groups = r.groups;
     if (cs.router_l2 != 0.0f)
       for (const auto& w : m->router_weights()) o.base_router.push_back(w.detach().clone());
     std::vector<prior_table> tables;
@@ -339,6 +340,24 @@ TEST_CASE("smoke: pretraining and post-training under several conditions; the pr
     CHECK(metrics.size() == 3);
   }
   std::remove(ckpt.c_str());
+}
+
+}  // namespace
+
+TEST_CASE("smoke (softmax preset): pretraining, then post-training under every condition and admission") {
+  smoke(gating_preset::softmax,
+        {{condition::sft, "dropless"}, {condition::lbl, "dropless"}, {condition::rpb, "dropless"},
+         {condition::rpb_hard, "dropless"}, {condition::router_l2, "dropless"}, {condition::kl_to_base, "dropless"},
+         {condition::logit_l2, "dropless"}, {condition::z_loss, "dropless"}, {condition::within_soft, "dropless"},
+         {condition::within_hard, "dropless"}, {condition::global_hard, "dropless"}, {condition::sft, "cipher_strict"},
+         {condition::sft, "cipher_reroute", 2}, {condition::rpb_hard, "cipher_strict", 2}});
+}
+
+TEST_CASE("smoke (sigmoid_bias preset): the same with the aux-loss-free bias") {
+  smoke(gating_preset::sigmoid_bias,
+        {{condition::sft, "dropless"}, {condition::lbl, "dropless"}, {condition::rpb, "dropless"},
+         {condition::rpb_hard, "dropless"}, {condition::kl_to_base, "dropless"}, {condition::logit_l2, "dropless"},
+         {condition::sft, "cipher_strict", 2}});
 }
 
 TEST_CASE("exact match from one teacher-forced forward equals greedy decoding") {
