@@ -77,14 +77,22 @@ json id_ood(const std::vector<domain_metrics>& ms, const std::string& in_domain)
 }
 
 json train_json(const train_result& r, int every) {
-  double ms = 0.0, expert_ms = 0.0, expert_rows = 0.0;
+  double ms = 0.0, expert_ms = 0.0, expert_rows = 0.0, window = 0.0;
+  int window_steps = 0;
   json log = json::array();
   for (const auto& s : r.log) {
     ms += s.ms;
     expert_ms += s.expert_ms;
     expert_rows += static_cast<double>(s.expert_rows);
-    if (every > 0 && (s.step % every == 0 || s.step == static_cast<int>(r.log.size()) || s.step == 1))
-      log.push_back({{"step", s.step}, {"task_loss", s.task_loss}, {"aux_loss", s.aux_loss}, {"router_l2", s.router_l2}});
+    window += s.task_loss;
+    ++window_steps;
+    // Every `every` steps (and the first and last): that step's values and the mean task loss since the last entry.
+    if (every > 0 && (s.step % every == 0 || s.step == static_cast<int>(r.log.size()) || s.step == 1)) {
+      log.push_back({{"step", s.step}, {"task_loss", s.task_loss}, {"window_loss", window / window_steps},
+                     {"aux_loss", s.aux_loss}, {"router_l2", s.router_l2}, {"lr", s.lr}});
+      window = 0.0;
+      window_steps = 0;
+    }
   }
   json loads = json::array();
   for (std::size_t l = 0; l < r.routed_loads.size(); ++l) {

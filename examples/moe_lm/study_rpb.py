@@ -16,6 +16,7 @@ import csv
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -70,6 +71,51 @@ def base_row(base_eval, domain):
             "ood_loss": sum(ev[d]["answer_loss"] for d in others) / len(others)}
 
 
+def plot(out, domains, conditions, seeds, rows):
+    """Training curves (seed 0, window-mean answer loss) and retention against accuracy, with gnuplot."""
+    gnuplot = shutil.which("gnuplot")
+    if gnuplot is None:
+        print("study_rpb: gnuplot not found (gnuplot-nox); no plots", file=sys.stderr)
+        return []
+    pdir = os.path.join(out, "plots")
+    os.makedirs(pdir, exist_ok=True)
+    # noenhanced: condition names such as router_l2 are text, not subscripts.
+    terminal = "pngcairo noenhanced size 900,600" if subprocess.run(
+        [gnuplot, "-e", "set terminal pngcairo"], capture_output=True).returncode == 0 else "png noenhanced size 900,600"
+    written = []
+    for domain in domains:
+        series = []
+        for cond in conditions:
+            with open(os.path.join(out, "runs", f"{domain}_{cond}_s{seeds[0]}.json")) as f:
+                log = json.load(f)["train"]["log"]
+            dat = os.path.join(pdir, f"curve_{domain}_{cond}.dat")
+            with open(dat, "w") as f:
+                f.writelines(f"{e['step']} {e['window_loss']}\n" for e in log)
+            series.append(f"'{dat}' using 1:2 with linespoints title '{cond}'")
+        png = os.path.join(pdir, f"training_{domain}.png")
+        script = (f"set terminal {terminal}; set output '{png}'; set key outside right;"
+                  f"set title 'post-training on {domain} (seed {seeds[0]})'; set xlabel 'step';"
+                  f"set ylabel 'answer-span loss (window mean)'; plot " + ", ".join(series))
+        subprocess.run([gnuplot, "-e", script], check=True)
+        written.append(png)
+
+        dat = os.path.join(pdir, f"retention_{domain}.dat")
+        with open(dat, "w") as f:
+            for d, cond, m, _ in rows:
+                if d == domain and cond != "base":
+                    f.write(f"{cond} {m['nmi'][0]} {m['topk'][0]} {m['id_acc'][0]} {m['ood_acc'][0]}\n")
+        png = os.path.join(pdir, f"retention_vs_accuracy_{domain}.png")
+        script = (f"set terminal {terminal}; set output '{png}'; set multiplot layout 1,2 title '{domain}';"
+                  f"set xlabel 'community NMI vs base'; set ylabel 'in-domain exact match'; unset key;"
+                  f"set xtics rotate by -45 format '%.3f'; set offsets graph 0.1, graph 0.1, graph 0.1, graph 0.1;"
+                  f"plot '{dat}' using 2:4 with points pt 7, '' using 2:4:1 with labels offset 0,1;"
+                  f"set xlabel 'top-k overlap vs base'; set ylabel 'out-of-domain exact match';"
+                  f"plot '{dat}' using 3:5 with points pt 7, '' using 3:5:1 with labels offset 0,1; unset multiplot")
+        subprocess.run([gnuplot, "-e", script], check=True)
+        written.append(png)
+    return written
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--moe-lm", required=True, help="the moe_lm executable")
@@ -82,6 +128,7 @@ def main():
     ap.add_argument("--seeds", nargs="+", type=int, help="default: 0 (0 1 2 with --full)")
     ap.add_argument("--steps", type=int, default=300, help="post-training steps")
     ap.add_argument("--full", action="store_true", help="every condition of RPB Table 1 and z-loss, three seeds")
+    ap.add_argument("--log-every", type=int, default=50, help="training-curve resolution (steps)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further posttrain flags")
     a = ap.parse_args()
     conditions = a.conditions or (ALL_CONDITIONS if a.full else REDUCED_CONDITIONS)
@@ -111,7 +158,7 @@ def main():
                 done += 1
                 print(f"[{done}/{total}] {name} ({time.time() - start:.0f} s)", flush=True)
                 per_seed.append(row_of(cached(path, lambda: run(
-                    [a.moe_lm, "--log-every", "50", "posttrain", "--base", base, "--domain", domain,
+                    [a.moe_lm, "--log-every", str(a.log_every), "posttrain", "--base", base, "--domain", domain,
                      "--condition", cond, "--seed", str(seed), "--steps", str(a.steps)] + a.extra,
                     os.path.join(a.out, "runs", name + ".log")))))
             rows.append((domain, cond, {k: mean_sd([r[k] for r in per_seed]) for k in per_seed[0]}, len(seeds)))
@@ -130,6 +177,8 @@ def main():
     for domain, cond, m, n in rows:
         cells = "".join(f"{m[k][0]:>9.3f}±{m[k][1]:<6.3f}" if k in m else f"{'':>16}" for k, _ in COLUMNS)
         print(f"{domain:<11}{cond:<13}{cells}")
+    for png in plot(a.out, a.domains, conditions, seeds, rows):
+        print(png)
     print(f"{total} runs, {time.time() - start:.0f} s; tables in {a.out}/rpb_table.csv and .json")
 
 
