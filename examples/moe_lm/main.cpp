@@ -230,7 +230,9 @@ int main(int argc, char** argv) {
   post->add_option("--fill-factor", fill_factor, "cipher_reroute fill factor");
   post->add_option("--groups", post_opt.admission_groups, "admission groups per batch (expert-parallel ranks)");
   post->add_flag("--admit-at-eval", admit_at_eval, "admission also when evaluating");
-  bool pad_experts = false;
+  bool pad_experts = false, fixed_router = false;
+  post->add_flag("--fixed-router", fixed_router,
+                 "train with the fixed assignment (t K + j) mod E (CIPHER eq. 3); evaluate with the learned router");
   post->add_flag("--pad-experts", pad_experts,
                  "run every expert on as many rows as the most loaded one (capacity-padded expert time)");
   post->add_option("--out", post_out, "write the post-trained checkpoint here");
@@ -304,7 +306,13 @@ int main(int argc, char** argv) {
         post_set.resize(static_cast<std::size_t>(post_examples));
       const std::vector<example> probe_set = of_domain(data.probe, dom);
       const condition cond = parse_condition(condition_arg);
-      const condition_setup cs = setup(cond, m->router(), cp);
+      condition_setup cs = setup(cond, m->router(), cp);
+      const rt::router_config learned = cs.router;
+      if (fixed_router) {
+        if (cs.prior != prior_source::none)
+          throw std::invalid_argument("--fixed-router ignores the logits' ranking, so it cannot take a prior condition");
+        cs.router.selection = rt::selection_kind::fixed;
+      }
       const rt::admission_config adm =
           admission_of(admission_arg, tau, tau_opt->count() > 0, capacity_factor, fill_factor);
       rs.seed = post_opt.seed;
@@ -312,6 +320,7 @@ int main(int argc, char** argv) {
       json result = {{"command", "posttrain"}, {"base", base_path}, {"domain", domain_name(dom)},
                      {"condition", condition_name(cond)}, {"seed", post_opt.seed},
                      {"admission", admission_json(admission_arg, adm)}, {"pad_experts", pad_experts},
+                     {"fixed_router", fixed_router},
                      {"model", json::parse(to_json(c))}};
       if (eval_base) {
         const auto base_metrics = evaluate(*m, data.eval);
@@ -341,6 +350,7 @@ int main(int argc, char** argv) {
       m->set_admission(adm, admit_at_eval);
       m->set_expert_padding(pad_experts);
       const train_result tr = train(*m, post_set, post_opt);
+      if (fixed_router) m->set_router(learned);
       const auto metrics = evaluate(*m, data.eval);
       const routing_trace post_trace = probe(*m, probe_set);
       result["train"] = train_json(tr, log_every);
