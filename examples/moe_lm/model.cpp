@@ -11,7 +11,7 @@
 #include <moe_route/backend/cpu/dispatch.hpp>
 
 #include "data.hpp"
-#include "runtime_calls.hpp"
+#include <moe_route/runtime_instantiate.hpp>
 
 namespace moe_lm {
 

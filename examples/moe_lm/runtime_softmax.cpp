@@ -1,3 +1,3 @@
-#include "runtime_calls.hpp"
+#include <moe_route/runtime_instantiate.hpp>
 
-MOE_LM_RUNTIME_CALLS(, moe_route::gating::softmax)
+MOE_ROUTE_RUNTIME_INSTANTIATE(, moe_route::gating::softmax)
