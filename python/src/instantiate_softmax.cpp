@@ -1,3 +1,0 @@
-#include <moe_route/runtime_instantiate.hpp>
-
-MOE_ROUTE_RUNTIME_INSTANTIATE(, moe_route::gating::softmax)
