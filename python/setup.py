@@ -24,7 +24,8 @@ setup(
     ext_modules=[
         CppExtension(
             "moe_route._C",
-            sorted(glob.glob(os.path.join("src", "*.cpp"))),
+            sorted(glob.glob(os.path.join("src", "*.cpp")))
+            + sorted(os.path.relpath(p) for p in glob.glob(os.path.join(here, "..", "instances", "*.cpp"))),
             include_dirs=[include],
             extra_compile_args=["-O2", "-std=c++17"],
         )
