@@ -18,12 +18,13 @@ Runs whose JSON already exists are reused, so an interrupted study resumes. Stan
 import argparse
 import csv
 import json
-import math
 import os
 import shutil
 import subprocess
 import sys
 import time
+
+from study_common import cached, mean_sd, run
 
 DOMAINS = ["arithmetic", "code", "words"]
 REDUCED_TAUS = [0.01, 0.1]  # the paper's chosen tau and one large enough to bite at this scale
@@ -32,35 +33,6 @@ COLUMNS = [("top1", "top-1 share"), ("ptm", "peak/mean"), ("dropped", "dropped")
            ("rows", "padded rows/step"), ("expert_ms", "expert ms/step"), ("speedup_rows", "speed-up (rows)"),
            ("speedup_ms", "speed-up (ms)"), ("id_acc", "ID acc"), ("ood_acc", "OOD acc"),
            ("id_loss", "ID loss"), ("ood_loss", "OOD loss")]
-
-
-def run(cmd, log):
-    """Runs one moe_lm command, its progress lines going to `log`; returns its JSON."""
-    with open(log, "w") as err:
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-    if out.returncode != 0:
-        sys.exit(f"study_cipher: {' '.join(cmd)} failed (exit {out.returncode}); see {log}")
-    return json.loads(out.stdout)
-
-
-def cached(path, make):
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    result = make()
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(path + ".tmp", path)
-    return result
-
-
-def mean_sd(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return float("nan"), float("nan")
-    m = sum(values) / len(values)
-    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-    return m, sd
 
 
 def conditions_of(full, taus, capacity, fill):
@@ -168,7 +140,7 @@ def main():
         print(f"pretraining {base} ({a.pretrain_steps} steps, {a.gating}) ...", flush=True)
         cached(os.path.join(a.out, "base.json"), lambda: run(
             [a.moe_lm, "--log-every", "100", "pretrain", "--out", base, "--gating", a.gating, "--steps",
-             str(a.pretrain_steps)], os.path.join(a.out, "pretrain.log")))
+             str(a.pretrain_steps)], os.path.join(a.out, "pretrain.log"), "study_cipher"))
 
     # The base's routing per domain: a few post-training steps at learning rate 0 leave the model as it
     # is and record the routed loads of that domain's batches (dropless, unpadded).
@@ -176,7 +148,7 @@ def main():
     for d in DOMAINS:
         probe = cached(os.path.join(a.out, "runs", f"base_loads_{d}.json"), lambda: run(
             [a.moe_lm, "--log-every", "0", "posttrain", "--base", base, "--domain", d, "--steps", "5",
-             "--lr", "0"], os.path.join(a.out, "runs", f"base_loads_{d}.log")))
+             "--lr", "0"], os.path.join(a.out, "runs", f"base_loads_{d}.log"), "study_cipher"))
         skew[d] = (concentration(probe), probe)
         print(f"base routing on {d}: top-1 share {skew[d][0][0]:.3f}, peak/mean {skew[d][0][1]:.2f}", flush=True)
     domain = max(DOMAINS, key=lambda d: skew[d][0][1]) if a.domain == "auto" else a.domain
@@ -194,7 +166,7 @@ def main():
             per_cond[name][seed] = cached(path, lambda: run(
                 [a.moe_lm, "--log-every", str(a.log_every), "posttrain", "--base", base, "--domain", domain,
                  "--condition", "sft", "--pad-experts", "--seed", str(seed), "--steps", str(a.steps)] + flags
-                + a.extra, os.path.join(a.out, "runs", run_name + ".log")))
+                + a.extra, os.path.join(a.out, "runs", run_name + ".log"), "study_cipher"))
 
     rows = []  # (condition, {metric: (mean, sd)})
     base_probe = skew[domain][1]

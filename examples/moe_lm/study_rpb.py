@@ -14,46 +14,19 @@ exists are reused, so an interrupted study resumes. Standard library only.
 import argparse
 import csv
 import json
-import math
 import os
 import shutil
 import subprocess
 import sys
 import time
 
+from study_common import cached, mean_sd, run
+
 ALL_CONDITIONS = ["sft", "lbl", "rpb", "router_l2", "kl_to_base", "logit_l2", "z_loss", "rpb_hard",
                   "within_soft", "within_hard", "global_hard"]
 REDUCED_CONDITIONS = ["sft", "lbl", "rpb", "router_l2", "rpb_hard"]
 COLUMNS = [("id_acc", "ID acc"), ("ood_acc", "OOD acc"), ("id_loss", "ID loss"), ("ood_loss", "OOD loss"),
            ("tvd", "TVD"), ("jsd", "JSD"), ("topk", "top-k"), ("nmi", "NMI"), ("dq", "dQ")]
-
-
-def run(cmd, log):
-    """Runs one moe_lm command, its progress lines going to `log`; returns its JSON."""
-    with open(log, "w") as err:
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-    if out.returncode != 0:
-        sys.exit(f"study_rpb: {' '.join(cmd)} failed (exit {out.returncode}); see {log}")
-    return json.loads(out.stdout)
-
-
-def cached(path, make):
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    result = make()
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(path + ".tmp", path)
-    return result
-
-
-def mean_sd(values):
-    if not values:
-        return float("nan"), float("nan")
-    m = sum(values) / len(values)
-    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-    return m, sd
 
 
 def row_of(result):
@@ -141,9 +114,9 @@ def main():
         print(f"pretraining {base} ({a.pretrain_steps} steps, {a.gating}) ...", flush=True)
         cached(os.path.join(a.out, "base.json"), lambda: run(
             [a.moe_lm, "--log-every", "100", "pretrain", "--out", base, "--gating", a.gating, "--steps",
-             str(a.pretrain_steps)], os.path.join(a.out, "pretrain.log")))
+             str(a.pretrain_steps)], os.path.join(a.out, "pretrain.log"), "study_rpb"))
     base_eval = cached(os.path.join(a.out, "base_eval.json"),
-                       lambda: run([a.moe_lm, "eval", "--model", base], os.path.join(a.out, "base_eval.log")))
+                       lambda: run([a.moe_lm, "eval", "--model", base], os.path.join(a.out, "base_eval.log"), "study_rpb"))
 
     rows = []  # (domain, condition, metric dict of (mean, sd), seeds)
     total = len(a.domains) * len(conditions) * len(seeds)
@@ -160,7 +133,7 @@ def main():
                 per_seed.append(row_of(cached(path, lambda: run(
                     [a.moe_lm, "--log-every", str(a.log_every), "posttrain", "--base", base, "--domain", domain,
                      "--condition", cond, "--seed", str(seed), "--steps", str(a.steps)] + a.extra,
-                    os.path.join(a.out, "runs", name + ".log")))))
+                    os.path.join(a.out, "runs", name + ".log"), "study_rpb"))))
             rows.append((domain, cond, {k: mean_sd([r[k] for r in per_seed]) for k in per_seed[0]}, len(seeds)))
 
     with open(os.path.join(a.out, "rpb_table.csv"), "w", newline="") as f:
