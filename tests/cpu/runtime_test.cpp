@@ -54,6 +54,13 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// Indices, gates and dL/dz of two runs, bit for bit.
+void check_same(const typed_run& a, const typed_run& b) {
+  CHECK(a.indices == b.indices);
+  CHECK(same_bits(a.gates, b.gates));
+  CHECK(same_bits(a.grad, b.grad));
+}
+
 }  // namespace
 
 TEST_CASE("runtime router: every selection and prior kind routes and differentiates as the typed router") {
@@ -80,9 +87,7 @@ TEST_CASE("runtime router: every selection and prior kind routes and differentia
     r.top_k = 3, r.normalize = true, r.scaling_factor = 2.5f;
     const auto a = run_typed(r, in, dw);
     const auto b = run_runtime<mr::gating::sigmoid>(c, in, dw);
-    CHECK(a.indices == b.indices);
-    CHECK(same_bits(a.gates, b.gates));
-    CHECK(same_bits(a.grad, b.grad));
+    check_same(a, b);
   }
   SUBCASE("group_limited_bias (DeepSeek-V3 shape)") {
     c.selection = rt::selection_kind::group_limited_bias;
@@ -91,9 +96,7 @@ TEST_CASE("runtime router: every selection and prior kind routes and differentia
     r.selection.groups = 8, r.selection.top_groups = 3;
     const auto a = run_typed(r, in, dw);
     const auto b = run_runtime<mr::gating::sigmoid>(c, in, dw);
-    CHECK(a.indices == b.indices);
-    CHECK(same_bits(a.gates, b.gates));
-    CHECK(same_bits(a.grad, b.grad));
+    check_same(a, b);
   }
   SUBCASE("fixed") {
     c.selection = rt::selection_kind::fixed;
@@ -101,9 +104,7 @@ TEST_CASE("runtime router: every selection and prior kind routes and differentia
     r.top_k = 3, r.normalize = true, r.scaling_factor = 2.5f;
     const auto a = run_typed(r, in, dw);
     const auto b = run_runtime<mr::gating::sigmoid>(c, in, dw);
-    CHECK(a.indices == b.indices);
-    CHECK(same_bits(a.gates, b.gates));
-    CHECK(same_bits(a.grad, b.grad));
+    check_same(a, b);
   }
 }
 
@@ -170,9 +171,7 @@ TEST_CASE("runtime router: penalties and the prior match the typed router with t
     p.top_k = 2;
     const auto a = run_typed(p, bare, dw);
     const auto q = run_runtime<mr::gating::softmax>(plain, bare, dw);
-    CHECK(a.indices == q.indices);
-    CHECK(same_bits(a.gates, q.gates));
-    CHECK(same_bits(a.grad, q.grad));
+    check_same(a, q);
   }
 }
 
