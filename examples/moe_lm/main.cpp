@@ -184,7 +184,9 @@ int main(int argc, char** argv) {
   float pre_lbl = 1e-2f;
   data_options pre_data;
   pre->add_option("--out", out_path, "checkpoint to write")->required();
-  pre->add_option("--gating", preset, "softmax (DeepSeek-V2-Lite) or sigmoid_bias (Moonlight)");
+  pre->add_option("--gating", preset,
+                  "router preset: softmax (DeepSeek-V2-Lite), sigmoid_bias (Moonlight), group_limited (DeepSeek-V3), "
+                  "sqrt_softplus (DeepSeek-V4) or softmax_after_topk (Mixtral)");
   pre->add_option("--d-model", mc.d_model, "width");
   pre->add_option("--layers", mc.layers, "depth");
   pre->add_option("--heads", mc.heads, "attention heads");
@@ -193,7 +195,7 @@ int main(int argc, char** argv) {
   pre->add_option("--expert-hidden", mc.expert_hidden, "hidden width of a routed expert");
   pre->add_option("--shared-hidden", mc.shared_hidden, "hidden width of the shared expert");
   pre->add_option("--max-len", mc.max_len, "positions");
-  pre->add_option("--bias-update-rate", mc.bias_update_rate, "sigmoid_bias: the expert-bias step");
+  pre->add_option("--bias-update-rate", mc.bias_update_rate, "presets with an expert bias: its step");
   pre->add_flag("--untied", [&](std::int64_t) { mc.tie_embeddings = false; }, "untie the output head");
   pre->add_flag("--layer-norm", [&](std::int64_t) { mc.rms_norm = false; }, "LayerNorm instead of RMSNorm");
   pre->add_option("--steps", pre_opt.steps, "training steps");
@@ -226,13 +228,20 @@ int main(int argc, char** argv) {
   post->add_option("--admission", admission_arg,
                    "dropless, cipher_strict, cipher_reroute, locmoe, capacity_position, capacity_probs");
   auto* tau_opt = post->add_option("--tau", tau, "admission threshold (cipher_*: 0, locmoe: 0.01 by default)");
-  post->add_option("--capacity-factor", capacity_factor, "admission capacity factor");
+  post->add_option("--capacity-factor", capacity_factor, "admission (and --expert-choice) capacity factor");
   post->add_option("--fill-factor", fill_factor, "cipher_reroute fill factor");
   post->add_option("--groups", post_opt.admission_groups, "admission groups per batch (expert-parallel ranks)");
+  float locality = 0.0f;
+  post->add_option("--locality", locality,
+                   "locality penalty lambda_loc (LocMoE; CIPHER uses 0.01) on top of the condition: each of the "
+                   "--groups ranks hosts E / groups experts and routes its micro-batch");
   post->add_flag("--admit-at-eval", admit_at_eval, "admission also when evaluating");
-  bool pad_experts = false, fixed_router = false;
+  bool pad_experts = false, fixed_router = false, expert_choice = false;
   post->add_flag("--fixed-router", fixed_router,
                  "train with the fixed assignment (t K + j) mod E (CIPHER eq. 3); evaluate with the learned router");
+  post->add_flag("--expert-choice", expert_choice,
+                 "train with expert-choice routing (each expert takes --capacity-factor x N K / E tokens by "
+                 "softmax score); evaluate with the learned router");
   post->add_flag("--pad-experts", pad_experts,
                  "run every expert on as many rows as the most loaded one (capacity-padded expert time)");
   post->add_option("--out", post_out, "write the post-trained checkpoint here");
@@ -313,6 +322,17 @@ int main(int argc, char** argv) {
           throw std::invalid_argument("--fixed-router ignores the logits' ranking, so it cannot take a prior condition");
         cs.router.selection = rt::selection_kind::fixed;
       }
+      if (locality != 0.0f) {
+        if (post_opt.admission_groups < 2)
+          throw std::invalid_argument("--locality needs --groups >= 2 (the expert-parallel ranks)");
+        cs.router.locality.coefficient = locality;
+      }
+      if (expert_choice) {
+        if (cond != condition::sft || fixed_router || admission_arg != "dropless")
+          throw std::invalid_argument(
+              "--expert-choice replaces the router and admission while training, so it takes --condition sft, "
+              "--admission dropless and no --fixed-router");
+      }
       const rt::admission_config adm =
           admission_of(admission_arg, tau, tau_opt->count() > 0, capacity_factor, fill_factor);
       rs.seed = post_opt.seed;
@@ -320,7 +340,8 @@ int main(int argc, char** argv) {
       json result = {{"command", "posttrain"}, {"base", base_path}, {"domain", domain_name(dom)},
                      {"condition", condition_name(cond)}, {"seed", post_opt.seed},
                      {"admission", admission_json(admission_arg, adm)}, {"pad_experts", pad_experts},
-                     {"fixed_router", fixed_router},
+                     {"fixed_router", fixed_router}, {"expert_choice", expert_choice},
+                     {"groups", post_opt.admission_groups}, {"locality", locality},
                      {"model", json::parse(to_json(c))}};
       if (eval_base) {
         const auto base_metrics = evaluate(*m, data.eval);
@@ -340,7 +361,7 @@ int main(int argc, char** argv) {
       }
       post_opt.prior_rows = cs.prior != prior_source::none;
       post_opt.router_l2 = cs.router_l2;
-      post_opt.update_expert_bias = cs.update_expert_bias;
+      post_opt.update_expert_bias = cs.update_expert_bias && !expert_choice;
       if (cs.router_l2 != 0.0f)
         for (const auto& w : m->router_weights()) post_opt.base_router.push_back(w.detach().clone());
       post_opt.threads = threads;
@@ -349,8 +370,11 @@ int main(int argc, char** argv) {
       m->set_router(cs.router);
       m->set_admission(adm, admit_at_eval);
       m->set_expert_padding(pad_experts);
+      if (expert_choice)
+        m->set_expert_choice(moe_route::selection::expert_choice{static_cast<int>(c.top_k), capacity_factor, 0});
       const train_result tr = train(*m, post_set, post_opt);
       if (fixed_router) m->set_router(learned);
+      m->set_expert_choice(std::nullopt);
       const auto metrics = evaluate(*m, data.eval);
       const routing_trace post_trace = probe(*m, probe_set);
       result["train"] = train_json(tr, log_every);

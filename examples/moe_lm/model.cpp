@@ -5,22 +5,40 @@
 #include <cmath>
 #include <limits>
 #include <stdexcept>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
 #include <moe_route/backend/cpu/dispatch.hpp>
+#include <moe_route/backend/cpu/expert_choice.hpp>
 
 #include "data.hpp"
 #include <moe_route/runtime_instantiate.hpp>
 
 namespace moe_lm {
 
-const char* preset_name(gating_preset p) { return p == gating_preset::softmax ? "softmax" : "sigmoid_bias"; }
+namespace {
+constexpr std::pair<gating_preset, const char*> preset_names[] = {
+    {gating_preset::softmax, "softmax"},
+    {gating_preset::sigmoid_bias, "sigmoid_bias"},
+    {gating_preset::group_limited, "group_limited"},
+    {gating_preset::sqrt_softplus, "sqrt_softplus"},
+    {gating_preset::softmax_after_topk, "softmax_after_topk"}};
+}  // namespace
+
+const char* preset_name(gating_preset p) {
+  for (const auto& [preset, name] : preset_names)
+    if (preset == p) return name;
+  return "?";
+}
 
 gating_preset parse_preset(const std::string& name) {
-  if (name == "softmax") return gating_preset::softmax;
-  if (name == "sigmoid_bias") return gating_preset::sigmoid_bias;
-  throw std::invalid_argument("unknown gating preset \"" + name + "\" (softmax, sigmoid_bias)");
+  std::string known;
+  for (const auto& [preset, n] : preset_names) {
+    if (name == n) return preset;
+    known += (known.empty() ? "" : ", ") + std::string(n);
+  }
+  throw std::invalid_argument("unknown gating preset \"" + name + "\" (" + known + ")");
 }
 
 std::string to_json(const model_config& c) {
@@ -54,15 +72,36 @@ model_config model_config_from_json(const std::string& s) {
 rt::router_config preset_router(const model_config& c) {
   rt::router_config r;
   r.top_k = c.top_k;
-  if (c.gating == gating_preset::softmax) {
-    r.gating = rt::gating_kind::softmax;
-    r.selection = rt::selection_kind::top_k;
-    r.normalize = false;
-  } else {
-    r.gating = rt::gating_kind::sigmoid;
-    r.selection = rt::selection_kind::expert_bias;
-    r.normalize = true;
-    r.bias_update_rate = c.bias_update_rate;
+  r.bias_update_rate = c.bias_update_rate;
+  switch (c.gating) {
+    case gating_preset::softmax:
+      r.gating = rt::gating_kind::softmax;
+      r.selection = rt::selection_kind::top_k;
+      r.normalize = false;
+      break;
+    case gating_preset::sigmoid_bias:
+      r.gating = rt::gating_kind::sigmoid;
+      r.selection = rt::selection_kind::expert_bias;
+      r.normalize = true;
+      break;
+    case gating_preset::group_limited:
+      r.gating = rt::gating_kind::sigmoid;
+      r.selection = rt::selection_kind::group_limited_bias;
+      // 4 groups when E allows (E = 16: 4 experts each), the best 2 kept.
+      r.groups = c.experts % 4 == 0 ? 4 : 1;
+      r.top_groups = std::min(2, r.groups);
+      r.per_group_k = static_cast<int>(std::min<std::int64_t>(2, c.experts / r.groups));
+      r.normalize = true;
+      break;
+    case gating_preset::sqrt_softplus:
+      r.gating = rt::gating_kind::sqrt_softplus;
+      r.selection = rt::selection_kind::expert_bias;
+      r.normalize = true;
+      break;
+    case gating_preset::softmax_after_topk:
+      r.gating = rt::gating_kind::softmax_after_topk;
+      r.selection = rt::selection_kind::top_k;
+      break;
   }
   return r;
 }
@@ -72,18 +111,58 @@ rt::router_config preset_router(const model_config& c) {
 
 namespace {
 
+// One library call of the routing op: the tokens [begin, end) of the batch.
+// With the locality penalty on, a segment is one admission group, routed as
+// that expert-parallel rank's micro-batch (the penalty's D_c is per rank);
+// otherwise the whole batch is one segment.
+struct route_segment {
+  std::int64_t begin = 0, end = 0;
+  moe_route::route_inputs<float> in;       // points into the route_state and this segment
+  std::vector<std::int32_t> sequence_ids;  // renumbered from 0 within the segment
+  std::vector<unsigned char> workspace;    // filled by the forward, read by the backward
+};
+
 // Everything the backward needs besides the logits: the forward's inputs (the
-// route_inputs point into this object), its selections and the workspace the
+// route_inputs point into this object), its selections and the workspaces the
 // forward filled. It rides in the autograd context as a capsule.
 struct route_state : torch::CustomClassHolder {
   route_call call;
   torch::Tensor logits;  // fp32, contiguous, detached
   std::vector<float> expert_bias;
-  moe_route::route_inputs<float> in;
+  std::vector<std::int32_t> expert_rank;  // locality: expert j lives on rank j * R / E
+  std::vector<route_segment> segments;
   torch::Tensor hidden_norms, weight_norms;  // cosine admission only (no gradient flows to them)
   torch::Tensor routed, executed;  // int32 [N x K]
-  std::vector<unsigned char> workspace;
 };
+
+// Whether the op routes each admission group as its own rank's micro-batch.
+bool per_rank(const route_call& call) {
+  return call.router.locality.coefficient != 0.0f && call.mode == moe_route::mode::train;
+}
+
+// The segments of a batch of n tokens (see route_segment); group ids of the
+// routed tokens must come in contiguous runs, as train's admission groups do.
+std::vector<route_segment> segments_of(const route_call& call, std::int64_t n) {
+  std::vector<route_segment> segs;
+  if (!per_rank(call)) {
+    segs.push_back({0, n, {}, {}, {}});
+    return segs;
+  }
+  if (call.group_ids.empty())
+    throw std::invalid_argument("route: the locality penalty needs admission groups (the expert-parallel ranks)");
+  for (std::int64_t t = 0; t < n; ++t) {
+    const std::int32_t g = call.group_ids[static_cast<std::size_t>(t)];
+    if (g < 0 || g >= call.num_groups) throw std::invalid_argument("route: a group id is outside [0, num_groups)");
+    if (segs.empty() || call.group_ids[static_cast<std::size_t>(segs.back().begin)] != g) {
+      for (const auto& s : segs)
+        if (call.group_ids[static_cast<std::size_t>(s.begin)] == g)
+          throw std::invalid_argument("route: under the locality penalty each group's tokens must be contiguous");
+      segs.push_back({t, t, {}, {}, {}});
+    }
+    segs.back().end = t + 1;
+  }
+  return segs;
+}
 
 class route_function : public torch::autograd::Function<route_function> {
  public:
@@ -93,7 +172,7 @@ class route_function : public torch::autograd::Function<route_function> {
     const int e = static_cast<int>(logits.size(1));
     const int k = st->call.router.top_k;
     st->logits = logits.detach().to(torch::kFloat32).contiguous();
-    auto& in = st->in;
+    moe_route::route_inputs<float> in;
     in.logits = st->logits.data_ptr<float>();
     in.num_tokens = n;
     in.num_experts = e;
@@ -109,24 +188,48 @@ class route_function : public torch::autograd::Function<route_function> {
       in.prior_rows = st->call.prior->rows;
     }
     if (!st->call.prior_rows.empty()) in.token_prior_row = st->call.prior_rows.data();
-    if (!st->call.sequence_ids.empty()) {
-      in.sequence_ids = st->call.sequence_ids.data();
-      in.num_sequences = st->call.num_sequences;
-    }
 
     const auto i32 = torch::TensorOptions().dtype(torch::kInt32);
     st->routed = torch::empty({n, k}, i32);
     auto gates = torch::empty({n, k}, torch::kFloat32);
     std::vector<double> values(rt::num_penalties, 0.0);
-    st->workspace.resize(rt::workspace_bytes(st->call.router, n, e, std::max(st->call.num_sequences, 1)));
-    moe_route::route_outputs out;
-    out.indices = st->routed.data_ptr<std::int32_t>();
-    out.gates = gates.data_ptr<float>();
-    out.penalty_values = values.data();
-    out.workspace = st->workspace.data();
-    out.workspace_bytes = st->workspace.size();
+    st->segments = segments_of(st->call, n);
+    if (per_rank(st->call)) {
+      st->expert_rank.resize(static_cast<std::size_t>(e));
+      for (int j = 0; j < e; ++j)
+        st->expert_rank[static_cast<std::size_t>(j)] =
+            static_cast<std::int32_t>(static_cast<std::int64_t>(j) * st->call.num_groups / e);
+    }
     const moe_route::cpu::execution ex{st->call.threads};
-    rt::route(st->call.router, in, out, ex);
+    for (auto& seg : st->segments) {
+      seg.in = in;
+      seg.in.logits += seg.begin * e;
+      seg.in.num_tokens = seg.end - seg.begin;
+      if (in.token_prior_row != nullptr) seg.in.token_prior_row += seg.begin;
+      if (!st->call.sequence_ids.empty() && seg.end > seg.begin) {
+        const std::int32_t first = st->call.sequence_ids[static_cast<std::size_t>(seg.begin)];
+        for (std::int64_t t = seg.begin; t < seg.end; ++t)
+          seg.sequence_ids.push_back(st->call.sequence_ids[static_cast<std::size_t>(t)] - first);
+        seg.in.sequence_ids = seg.sequence_ids.data();
+        seg.in.num_sequences = seg.sequence_ids.back() + 1;
+      }
+      if (per_rank(st->call)) {
+        seg.in.expert_rank = st->expert_rank.data();
+        seg.in.rank = st->call.group_ids[static_cast<std::size_t>(seg.begin)];
+      }
+      std::vector<double> seg_values(rt::num_penalties, 0.0);
+      seg.workspace.resize(rt::workspace_bytes(st->call.router, seg.in.num_tokens, e, std::max(seg.in.num_sequences, 1)));
+      moe_route::route_outputs out;
+      out.indices = st->routed.data_ptr<std::int32_t>() + seg.begin * k;
+      out.gates = gates.data_ptr<float>() + seg.begin * k;
+      out.penalty_values = seg_values.data();
+      out.workspace = seg.workspace.data();
+      out.workspace_bytes = seg.workspace.size();
+      rt::route(st->call.router, seg.in, out, ex);
+      // The penalties of a per-rank call average over the ranks, as data-parallel gradient averaging does.
+      for (int i = 0; i < rt::num_penalties; ++i)
+        values[static_cast<std::size_t>(i)] += seg_values[static_cast<std::size_t>(i)] / st->segments.size();
+    }
 
     if (st->call.admit) {
       st->executed = torch::empty({n, k}, i32);
@@ -152,7 +255,7 @@ class route_function : public torch::autograd::Function<route_function> {
       st->executed = st->routed;
     }
     auto value_tensor = torch::empty({rt::num_penalties}, torch::kFloat32);
-    for (int i = 0; i < rt::num_penalties; ++i) value_tensor[i] = static_cast<float>(values[i]);
+    for (int i = 0; i < rt::num_penalties; ++i) value_tensor[i] = static_cast<float>(values[static_cast<std::size_t>(i)]);
     ctx->saved_data["state"] = c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(st));
     return {gates, value_tensor};
   }
@@ -161,29 +264,32 @@ class route_function : public torch::autograd::Function<route_function> {
                                                  torch::autograd::variable_list grads) {
     const auto capsule = ctx->saved_data["state"].toCapsule();
     auto* st = static_cast<route_state*>(capsule.get());
-    const std::int64_t n = st->in.num_tokens;
-    const int e = st->in.num_experts;
+    const std::int64_t n = st->logits.size(0);
+    const int e = static_cast<int>(st->logits.size(1));
     const int k = st->call.router.top_k;
     torch::Tensor grad_gates = grads[0].defined() ? grads[0].to(torch::kFloat32).contiguous()
                                                   : torch::zeros({n, k}, torch::kFloat32);
     std::vector<float> penalty_grads(rt::num_penalties, 0.0f);
     if (grads[1].defined()) {
       const torch::Tensor g = grads[1].to(torch::kFloat32).contiguous();
-      std::copy(g.data_ptr<float>(), g.data_ptr<float>() + rt::num_penalties, penalty_grads.begin());
+      for (int i = 0; i < rt::num_penalties; ++i)
+        penalty_grads[static_cast<std::size_t>(i)] = g.data_ptr<float>()[i] / static_cast<float>(st->segments.size());
     }
     auto grad_logits = torch::empty({n, e}, torch::kFloat32);
-    moe_route::backward_args args;
-    args.indices = st->routed.data_ptr<std::int32_t>();
-    args.grad_gates = grad_gates.data_ptr<float>();
-    args.grad_logits = grad_logits.data_ptr<float>();
-    if (st->call.admit) {
-      args.admitted_indices = st->executed.data_ptr<std::int32_t>();
-      args.renormalize = rt::renormalizes(st->call.admission);
+    for (auto& seg : st->segments) {
+      moe_route::backward_args args;
+      args.indices = st->routed.data_ptr<std::int32_t>() + seg.begin * k;
+      args.grad_gates = grad_gates.data_ptr<float>() + seg.begin * k;
+      args.grad_logits = grad_logits.data_ptr<float>() + seg.begin * e;
+      if (st->call.admit) {
+        args.admitted_indices = st->executed.data_ptr<std::int32_t>() + seg.begin * k;
+        args.renormalize = rt::renormalizes(st->call.admission);
+      }
+      args.workspace = seg.workspace.data();
+      args.workspace_bytes = seg.workspace.size();
+      args.penalty_grads = penalty_grads.data();
+      rt::backward(st->call.router, seg.in, args, moe_route::cpu::execution{st->call.threads});
     }
-    args.workspace = st->workspace.data();
-    args.workspace_bytes = st->workspace.size();
-    args.penalty_grads = penalty_grads.data();
-    rt::backward(st->call.router, st->in, args, moe_route::cpu::execution{st->call.threads});
     return {grad_logits, torch::Tensor()};
   }
 };
@@ -220,6 +326,70 @@ std::vector<torch::Tensor> route(const torch::Tensor& logits, const route_call& 
   return out;
 }
 
+namespace {
+
+struct expert_choice_state : torch::CustomClassHolder {
+  moe_route::selection::expert_choice policy;
+  int threads = 1;
+  std::vector<std::int32_t> group_ids;  // empty: one group
+  int num_groups = 1;
+  torch::Tensor logits;   // fp32, contiguous, detached
+  torch::Tensor indices;  // int32 [N x E]
+  moe_route::expert_choice_inputs<float> inputs() const {
+    return {logits.data_ptr<float>(), logits.size(0), static_cast<int>(logits.size(1)),
+            group_ids.empty() ? nullptr : group_ids.data(), num_groups};
+  }
+};
+
+class expert_choice_function : public torch::autograd::Function<expert_choice_function> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor logits,
+                                                c10::intrusive_ptr<expert_choice_state> st) {
+    st->logits = logits.detach().to(torch::kFloat32).contiguous();
+    st->indices = torch::empty(st->logits.sizes(), torch::TensorOptions().dtype(torch::kInt32));
+    auto gates = torch::empty(st->logits.sizes(), torch::kFloat32);
+    moe_route::cpu::expert_choice(st->policy, st->inputs(),
+                                  moe_route::expert_choice_outputs{st->indices.data_ptr<std::int32_t>(),
+                                                                   gates.data_ptr<float>()},
+                                  moe_route::cpu::execution{st->threads});
+    ctx->saved_data["state"] = c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(st));
+    return {gates};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto capsule = ctx->saved_data["state"].toCapsule();
+    auto* st = static_cast<expert_choice_state*>(capsule.get());
+    const torch::Tensor grad_gates = grads[0].defined() ? grads[0].to(torch::kFloat32).contiguous()
+                                                        : torch::zeros(st->logits.sizes(), torch::kFloat32);
+    auto grad_logits = torch::empty(st->logits.sizes(), torch::kFloat32);
+    moe_route::cpu::expert_choice_backward(st->inputs(), st->indices.data_ptr<std::int32_t>(),
+                                           grad_gates.data_ptr<float>(), grad_logits.data_ptr<float>(),
+                                           moe_route::cpu::execution{st->threads});
+    return {grad_logits, torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor route_expert_choice(const torch::Tensor& logits, const moe_route::selection::expert_choice& policy,
+                                  int threads, layer_record& record, const std::vector<std::int32_t>* group_ids,
+                                  int num_groups) {
+  TORCH_CHECK(logits.dim() == 2, "route_expert_choice: logits must be [N x E]");
+  auto st = c10::make_intrusive<expert_choice_state>();
+  st->policy = policy;
+  st->threads = threads;
+  if (group_ids != nullptr) {
+    st->group_ids = *group_ids;
+    st->num_groups = num_groups;
+  }
+  auto gates = expert_choice_function::apply(logits, st)[0];
+  record.routed = record.executed = st->indices;
+  record.values = torch::zeros({rt::num_penalties}, torch::kFloat32);
+  record.routed_counts = record.counts = count_experts(st->indices, logits.size(1));
+  return gates;
+}
+
 // ---------------------------------------------------------------------------
 // Modules.
 
@@ -244,33 +414,38 @@ moe_ffn::moe_ffn(const model_config& c) {
 
 torch::Tensor moe_ffn::forward(const torch::Tensor& x, const routing_context& ctx) {
   const std::int64_t n = x.size(0), d = x.size(1), e = router_weight.size(0);
-  const int k = router.top_k;
   const torch::Tensor logits = torch::matmul(x, router_weight.t());
-  route_call call;
-  call.router = router;
-  call.mode = ctx.mode;
-  call.admission = admission;
-  call.admit = !admission.dropless && (ctx.mode == moe_route::mode::train || admit_at_eval);
-  call.expert_bias = expert_bias.data_ptr<float>();
-  call.prior = prior;
-  call.threads = threads;
-  if (ctx.prior_rows) call.prior_rows = *ctx.prior_rows;
-  if (ctx.sequence_ids) {
-    call.sequence_ids = *ctx.sequence_ids;
-    call.num_sequences = ctx.num_sequences;
+  torch::Tensor gates;  // [N x slots]: K slots per token, or E under expert choice
+  if (expert_choice && ctx.mode == moe_route::mode::train) {
+    gates = route_expert_choice(logits, *expert_choice, threads, last, ctx.group_ids, ctx.num_groups);
+  } else {
+    route_call call;
+    call.router = router;
+    call.mode = ctx.mode;
+    call.admission = admission;
+    call.admit = !admission.dropless && (ctx.mode == moe_route::mode::train || admit_at_eval);
+    call.expert_bias = expert_bias.data_ptr<float>();
+    call.prior = prior;
+    call.threads = threads;
+    if (ctx.prior_rows) call.prior_rows = *ctx.prior_rows;
+    if (ctx.sequence_ids) {
+      call.sequence_ids = *ctx.sequence_ids;
+      call.num_sequences = ctx.num_sequences;
+    }
+    if (ctx.group_ids) {
+      call.group_ids = *ctx.group_ids;
+      call.num_groups = ctx.num_groups;
+    }
+    torch::Tensor hidden_norms, weight_norms;
+    if (call.admit && admission.affinity == rt::affinity_kind::cosine) {
+      hidden_norms = x.detach().norm(2, 1);
+      weight_norms = router_weight.detach().norm(2, 1);
+    }
+    gates = route(logits, call, last, hidden_norms, weight_norms)[0];
   }
-  if (ctx.group_ids) {
-    call.group_ids = *ctx.group_ids;
-    call.num_groups = ctx.num_groups;
-  }
-  torch::Tensor hidden_norms, weight_norms;
-  if (call.admit && admission.affinity == rt::affinity_kind::cosine) {
-    hidden_norms = x.detach().norm(2, 1);
-    weight_norms = router_weight.detach().norm(2, 1);
-  }
-  auto routed = route(logits, call, last, hidden_norms, weight_norms);
+  last.offered = n * router.top_k;
   if (ctx.keep_logits) last.logits = logits.detach().clone();
-  const torch::Tensor& gates = routed[0];
+  const int k = static_cast<int>(gates.size(1));
 
   // Expert-major rows from the library's dispatch metadata.
   std::vector<std::int64_t> counts(static_cast<std::size_t>(e)), offsets(static_cast<std::size_t>(e) + 1);
@@ -399,6 +574,12 @@ void model::set_admission(const rt::admission_config& a, bool at_eval) {
     m->admission = a;
     m->admit_at_eval = at_eval;
   }
+}
+
+void model::set_expert_choice(const std::optional<moe_route::selection::expert_choice>& p) {
+  if (p && (p->top_k < 1 || !(p->capacity_factor > 0.0)))
+    throw std::invalid_argument("set_expert_choice: top_k must be >= 1 and capacity_factor > 0");
+  for (auto& m : moes_) m->expert_choice = p;
 }
 
 void model::set_prior(const std::vector<prior_table>& tables) {

@@ -10,23 +10,31 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <torch/torch.h>
 
+#include <moe_route/admission/expert_choice.hpp>
 #include <moe_route/runtime.hpp>
 
 namespace moe_lm {
 
 namespace rt = moe_route::runtime;
 
-// The two router presets of the RPB paper's base models.
+// The router presets of the base models, after the library's presets
+// (moe_route/presets.hpp) at this model's E and K.
 enum class gating_preset {
-  softmax,       // DeepSeek-V2-Lite: softmax scores, greedy top-k, gates not renormalised
-  sigmoid_bias,  // Moonlight: sigmoid scores, top-k of s + b (aux-loss-free bias), gates renormalised
+  softmax,             // DeepSeek-V2-Lite: softmax scores, greedy top-k, gates not renormalised
+  sigmoid_bias,        // Moonlight: sigmoid scores, top-k of s + b (aux-loss-free bias), gates renormalised
+  group_limited,       // DeepSeek-V3: sigmoid_bias within group-limited top-k (4 groups when 4 divides E,
+                       // the best 2 kept, a group scored by its 2 best s + b)
+  sqrt_softplus,       // DeepSeek-V4: sqrt(softplus) scores, top-k of s + b, gates renormalised
+  softmax_after_topk,  // Mixtral: top-k of the logits, softmax over the K selected
 };
 const char* preset_name(gating_preset p);
+// Throws std::invalid_argument naming the known presets.
 gating_preset parse_preset(const std::string& name);
 
 // The architecture; saved with the weights.
@@ -77,6 +85,7 @@ struct layer_record {
   torch::Tensor logits;     // [N x E] (keep_logits only)
   std::vector<std::int64_t> routed_counts;  // [E] selections per expert before admission
   std::vector<std::int64_t> counts;         // [E] executed assignments per expert
+  std::int64_t offered = 0;      // N * K: the assignments token-choice routing offers
   double expert_ms = 0.0;        // wall time of the routed experts' forward
   std::int64_t expert_rows = 0;  // rows the routed experts ran (padding included)
 };
@@ -101,6 +110,11 @@ class moe_ffn : public torch::nn::Module {
   rt::router_config router;
   rt::admission_config admission;  // dropless by default
   bool admit_at_eval = false;
+  // Expert-choice routing while training (selection::expert_choice: every
+  // expert takes its capacity of tokens by softmax score, a token gets 0..E
+  // experts); set, it replaces the router and admission in mode::train.
+  // Evaluation, which must route each token on its own, uses `router`.
+  std::optional<moe_route::selection::expert_choice> expert_choice;
   // Run every expert on as many rows as the most loaded one (zero rows as
   // padding), as in expert-parallel training with capacity-padded buffers,
   // where the hottest expert sets the step time.
@@ -144,6 +158,7 @@ class model : public torch::nn::Module {
   void set_router(const rt::router_config& r);
   const rt::router_config& router() const { return moes_.front()->router; }
   void set_admission(const rt::admission_config& a, bool at_eval = false);
+  void set_expert_choice(const std::optional<moe_route::selection::expert_choice>& p);
   // One prepared table per layer (or an empty vector to drop the prior).
   void set_prior(const std::vector<prior_table>& tables);
   void set_router_threads(int threads);
@@ -187,5 +202,14 @@ struct route_call {
 };
 std::vector<torch::Tensor> route(const torch::Tensor& logits, const route_call& call, layer_record& record,
                                  const torch::Tensor& hidden_norms = {}, const torch::Tensor& weight_norms = {});
+
+// Expert-choice routing of `logits` [N x E]: gates [N x E] (the softmax score
+// where the expert took the token, else 0), differentiable through
+// cpu::expert_choice_backward. The indices [N x E] (-1 past a token's
+// experts) land in `record` (routed = executed); the penalty values are 0.
+// With group ids [N] every group is selected from on its own (one rank each).
+torch::Tensor route_expert_choice(const torch::Tensor& logits, const moe_route::selection::expert_choice& policy,
+                                  int threads, layer_record& record,
+                                  const std::vector<std::int32_t>* group_ids = nullptr, int num_groups = 1);
 
 }  // namespace moe_lm

@@ -3,7 +3,8 @@
 
 Post-trains a base model on the domain whose routing is most concentrated (read from the base's
 per-expert loads on each domain, or given with --domain) under each admission condition: vanilla
-(dropless), CIPHER-strict, CIPHER-reroute, LocMoE at each threshold tau, and the fixed router. Every run
+(dropless), CIPHER-strict, CIPHER-reroute, LocMoE at each threshold tau (the two with the locality loss),
+expert choice and the fixed router. Every run
 uses --pad-experts, so the expert compute it times is the capacity-padded one of expert-parallel training,
 where every expert's buffer is as long as the hottest expert's. For each condition the table gives, as
 mean +- sd over seeds: the top-1 expert share, peak-to-mean load and dropped rate of the executed
@@ -12,7 +13,12 @@ both over vanilla of the same seed, and in-domain / out-of-domain exact match an
 Runs whose JSON already exists are reused, so an interrupted study resumes. Standard library only.
 
     study_cipher.py --moe-lm build/examples/moe_lm/moe_lm --out cipher_study          # reduced grid
-    study_cipher.py --moe-lm ... --out cipher_study --full                            # full grid, 3 seeds
+    study_cipher.py --moe-lm ... --out cipher_study --full                            # full grid
+
+The reduced grid (the default, and the second half of the main job, studies.py): vanilla, CIPHER-strict,
+CIPHER-reroute, LocMoE at tau 0.01, expert choice and the fixed router on 4 expert-parallel ranks (the
+admission groups), seeds 0 1 2, 150 steps. --full adds LocMoE at five more thresholds, the locality loss
+alone and the capacity_position / capacity_probs baselines.
 """
 
 import argparse
@@ -24,27 +30,32 @@ import subprocess
 import sys
 import time
 
-from study_common import cached, mean_sd, run
+from study_common import Job, ensure_base, mean_sd, run_jobs, table_text
 
 DOMAINS = ["arithmetic", "code", "words"]
-REDUCED_TAUS = [0.01, 0.1]  # the paper's chosen tau and one large enough to bite at this scale
-FULL_TAUS = [0.005, 0.01, 0.02, 0.03]
+REDUCED_TAUS = [0.01]  # the paper's choice
+FULL_TAUS = [0.005, 0.01, 0.02, 0.03, 0.1, 0.3]  # the paper's sweep and two large enough to bite here
 COLUMNS = [("top1", "top-1 share"), ("ptm", "peak/mean"), ("dropped", "dropped"),
            ("rows", "padded rows/step"), ("expert_ms", "expert ms/step"), ("speedup_rows", "speed-up (rows)"),
            ("speedup_ms", "speed-up (ms)"), ("id_acc", "ID acc"), ("ood_acc", "OOD acc"),
            ("id_loss", "ID loss"), ("ood_loss", "OOD loss")]
 
 
-def conditions_of(full, taus, capacity, fill):
-    """(name, posttrain flags) per condition; every run post-trains with plain SFT (no auxiliary loss)."""
+def conditions_of(full, taus, capacity, fill, locality):
+    """(name, posttrain flags) per condition. Every run post-trains with plain SFT (no auxiliary loss); the
+    admission policies carry the locality loss as in the paper (lambda_loc 0.01 for CIPHER and LocMoE)."""
     cap = ["--capacity-factor", str(capacity)]
+    loc = ["--locality", str(locality)] if locality else []
     conds = [("vanilla", ["--admission", "dropless"]),
-             ("cipher_strict", ["--admission", "cipher_strict"] + cap),
-             ("cipher_reroute", ["--admission", "cipher_reroute", "--fill-factor", str(fill)] + cap)]
-    conds += [(f"locmoe_tau{t:g}", ["--admission", "locmoe", "--tau", str(t)] + cap) for t in taus]
-    if full:  # the two capacity baselines without affinity, so every admission policy appears in a study
-        conds += [("capacity_position", ["--admission", "capacity_position"] + cap),
+             ("cipher_strict", ["--admission", "cipher_strict"] + cap + loc),
+             ("cipher_reroute", ["--admission", "cipher_reroute", "--fill-factor", str(fill)] + cap + loc)]
+    conds += [(f"locmoe_tau{t:g}", ["--admission", "locmoe", "--tau", str(t)] + cap + loc) for t in taus]
+    if full:  # the locality loss alone, and the capacity baselines without affinity
+        conds += [("vanilla_locality", ["--admission", "dropless"] + loc),
+                  ("capacity_position", ["--admission", "capacity_position"] + cap),
                   ("capacity_probs", ["--admission", "capacity_probs"] + cap)]
+    # Expert choice at capacity factor 1: every expert takes N K / E tokens, as many assignments as top-K.
+    conds.append(("expert_choice", ["--admission", "dropless", "--expert-choice", "--capacity-factor", "1"]))
     conds.append(("fixed_router", ["--admission", "dropless", "--fixed-router"]))
     return conds
 
@@ -109,64 +120,66 @@ def plot(out, domain, conditions, seed, runs):
     return [png]
 
 
-def main():
+def parser():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--moe-lm", required=True, help="the moe_lm executable")
     ap.add_argument("--out", required=True, help="study directory (checkpoint, runs, tables)")
     ap.add_argument("--base", help="a base checkpoint to reuse (default: OUT/base.pt, pretrained if missing)")
-    ap.add_argument("--gating", default="softmax", help="base router preset: softmax or sigmoid_bias")
+    ap.add_argument("--gating", default="softmax", help="router preset of a base pretrained here (moe_lm pretrain --gating)")
     ap.add_argument("--pretrain-steps", type=int, default=1500)
     ap.add_argument("--domain", default="auto", help="post-training domain (auto: the most concentrated)")
-    ap.add_argument("--seeds", nargs="+", type=int, help="default: 0 1 (0 1 2 with --full)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=150, help="post-training steps")
     ap.add_argument("--capacity-factor", type=float, default=1.25,
                     help="admission capacity as a multiple of the uniform load (CIPHER, LocMoE, capacity_*)")
     ap.add_argument("--fill-factor", type=float, default=4.0, help="CIPHER-reroute fill target")
+    ap.add_argument("--groups", type=int, default=4,
+                    help="expert-parallel ranks: admission, expert choice and the locality loss work per rank")
+    ap.add_argument("--locality", type=float, default=0.01,
+                    help="lambda_loc of the locality loss under CIPHER and LocMoE (0: off)")
     ap.add_argument("--taus", nargs="+", type=float,
                     help=f"LocMoE thresholds (default {REDUCED_TAUS}, {FULL_TAUS} with --full)")
     ap.add_argument("--full", action="store_true",
-                    help="four LocMoE thresholds, the capacity_position / capacity_probs baselines, three seeds")
+                    help="six LocMoE thresholds, the locality loss alone, the capacity_position / capacity_probs baselines")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time (each uses one thread)")
     ap.add_argument("--log-every", type=int, default=25, help="training-curve resolution (steps)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further posttrain flags")
-    a = ap.parse_args()
-    seeds = a.seeds or ([0, 1, 2] if a.full else [0, 1])
+    return ap
+
+
+def study(a):
+    """Runs the study `a` (parsed by parser()) and returns its table as text."""
+    seeds = a.seeds
     conditions = conditions_of(a.full, a.taus or (FULL_TAUS if a.full else REDUCED_TAUS), a.capacity_factor,
-                               a.fill_factor)
+                               a.fill_factor, a.locality)
     os.makedirs(os.path.join(a.out, "runs"), exist_ok=True)
     start = time.time()
 
     base = a.base or os.path.join(a.out, "base.pt")
-    if not os.path.exists(base):
-        print(f"pretraining {base} ({a.pretrain_steps} steps, {a.gating}) ...", flush=True)
-        cached(os.path.join(a.out, "base.json"), lambda: run(
-            [a.moe_lm, "--log-every", "100", "pretrain", "--out", base, "--gating", a.gating, "--steps",
-             str(a.pretrain_steps)], os.path.join(a.out, "pretrain.log"), "study_cipher"))
+    ensure_base(a.moe_lm, base, a.gating, a.pretrain_steps, "study_cipher")
 
     # The base's routing per domain: a few post-training steps at learning rate 0 leave the model as it
     # is and record the routed loads of that domain's batches (dropless, unpadded).
-    skew = {}
+    probes = run_jobs([Job(f"base_loads_{d}", [a.moe_lm, "--log-every", "0", "posttrain", "--base", base,
+                                               "--domain", d, "--steps", "5", "--lr", "0"],
+                           os.path.join(a.out, "runs", f"base_loads_{d}.json")) for d in DOMAINS], a.jobs,
+                      "study_cipher")
+    skew = {d: (concentration(probes[f"base_loads_{d}"]), probes[f"base_loads_{d}"]) for d in DOMAINS}
     for d in DOMAINS:
-        probe = cached(os.path.join(a.out, "runs", f"base_loads_{d}.json"), lambda: run(
-            [a.moe_lm, "--log-every", "0", "posttrain", "--base", base, "--domain", d, "--steps", "5",
-             "--lr", "0"], os.path.join(a.out, "runs", f"base_loads_{d}.log"), "study_cipher"))
-        skew[d] = (concentration(probe), probe)
-        print(f"base routing on {d}: top-1 share {skew[d][0][0]:.3f}, peak/mean {skew[d][0][1]:.2f}", flush=True)
+        print(f"study_cipher: base routing on {d}: top-1 share {skew[d][0][0]:.3f}, peak/mean {skew[d][0][1]:.2f}",
+              flush=True)
     domain = max(DOMAINS, key=lambda d: skew[d][0][1]) if a.domain == "auto" else a.domain
-    print(f"post-training domain: {domain}", flush=True)
 
-    total = len(conditions) * len(seeds)
-    done = 0
-    per_cond = {name: {} for name, _ in conditions}
-    for seed in seeds:  # seed-major, so an interrupted reduced run already has complete seeds
-        for name, flags in conditions:
-            run_name = f"{domain}_{name}_s{seed}"
-            path = os.path.join(a.out, "runs", run_name + ".json")
-            done += 1
-            print(f"[{done}/{total}] {run_name} ({time.time() - start:.0f} s)", flush=True)
-            per_cond[name][seed] = cached(path, lambda: run(
+    jobs = [Job(f"{domain}_{name}_s{seed}",
                 [a.moe_lm, "--log-every", str(a.log_every), "posttrain", "--base", base, "--domain", domain,
-                 "--condition", "sft", "--pad-experts", "--seed", str(seed), "--steps", str(a.steps)] + flags
-                + a.extra, os.path.join(a.out, "runs", run_name + ".log"), "study_cipher"))
+                 "--condition", "sft", "--pad-experts", "--groups", str(a.groups), "--seed", str(seed),
+                 "--steps", str(a.steps)] + flags
+                + a.extra, os.path.join(a.out, "runs", f"{domain}_{name}_s{seed}.json"))
+            for seed in seeds for name, flags in conditions]
+    print(f"study_cipher: {len(jobs)} post-training runs on {domain} ({len(conditions)} conditions x {len(seeds)}"
+          f" seed(s), {a.steps} steps), {a.jobs} at a time", flush=True)
+    results = run_jobs(jobs, a.jobs, "study_cipher")
+    per_cond = {name: {seed: results[f"{domain}_{name}_s{seed}"] for seed in seeds} for name, _ in conditions}
 
     rows = []  # (condition, {metric: (mean, sd)})
     base_probe = skew[domain][1]
@@ -196,19 +209,19 @@ def main():
                        + [x for k in keys for x in m.get(k, ("", ""))])
     with open(os.path.join(a.out, "cipher_table.json"), "w") as f:
         json.dump({"domain": domain, "seeds": seeds, "steps": a.steps, "capacity_factor": a.capacity_factor,
-                   "fill_factor": a.fill_factor,
+                   "fill_factor": a.fill_factor, "groups": a.groups, "locality": a.locality,
                    "base_concentration": {d: {"top1": skew[d][0][0], "peak_to_mean": skew[d][0][1]} for d in DOMAINS},
                    "rows": [{"condition": n, **{k: {"mean": v[0], "sd": v[1]} for k, v in m.items()}}
                             for n, m in rows]}, f, indent=1)
 
-    print(f"{'condition':<17}" + "".join(f"{label:>18}" for _, label in COLUMNS))
-    for name, m in rows:
-        cells = "".join(f"{m[k][0]:>10.3f}±{m[k][1]:<7.3f}" if k in m else f"{'':>18}" for k, _ in COLUMNS)
-        print(f"{name:<17}{cells}")
-    for png in plot(a.out, domain, conditions, seeds[0], {n: per_cond[n][seeds[0]] for n, _ in conditions}):
-        print(png)
-    print(f"{total} runs, {time.time() - start:.0f} s; tables in {a.out}/cipher_table.csv and .json")
+    text = [f"CIPHER admission study on {domain}: mean ± sd over seeds {' '.join(map(str, seeds))}, {a.steps} steps,"
+            f" {a.groups} expert-parallel ranks, capacity {a.capacity_factor:g} x uniform, locality loss {a.locality:g}"
+            " under CIPHER/LocMoE, experts capacity-padded",
+            table_text(f"{'condition':<17}", rows, COLUMNS, 18)]
+    text += plot(a.out, domain, conditions, seeds[0], {n: per_cond[n][seeds[0]] for n, _ in conditions})
+    text.append(f"{len(jobs)} runs, {time.time() - start:.0f} s; tables in {a.out}/cipher_table.csv and .json")
+    return "\n".join(text)
 
 
 if __name__ == "__main__":
-    main()
+    print(study(parser().parse_args()))

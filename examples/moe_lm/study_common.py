@@ -1,32 +1,116 @@
-"""What study_rpb.py and study_cipher.py share: running the driver, caching
-each run's JSON so a study resumes, and mean +- sd over seeds."""
+"""What study_rpb.py, study_cipher.py and studies.py share: pretraining the base, running the
+driver's jobs a few at a time with a progress display, caching each run's JSON so a study resumes,
+and mean +- sd over seeds. Standard library only."""
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import time
+
+STEP = re.compile(r"\[(\w+)\] step (\d+)/(\d+)")
 
 
-def run(cmd, log, study):
-    """Runs one moe_lm command, its progress lines going to `log`; returns its JSON."""
-    with open(log, "w") as err:
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-    if out.returncode != 0:
-        sys.exit(f"{study}: {' '.join(cmd)} failed (exit {out.returncode}); see {log}")
-    return json.loads(out.stdout)
+class Job:
+    """One moe_lm command whose JSON result is cached at `path` (its progress lines go to path.log)."""
+
+    def __init__(self, name, cmd, path):
+        self.name, self.cmd, self.path, self.log = name, cmd, path, os.path.splitext(path)[0] + ".log"
 
 
-def cached(path, make):
-    """The JSON at `path`, made (and written atomically) if it is not there yet."""
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    result = make()
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(path + ".tmp", path)
-    return result
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def last_step(log):
+    """'step a/b' of the last progress line in `log`, or '' when there is none yet."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, os.path.getsize(log) - 4096))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    steps = STEP.findall(tail)
+    return f"step {steps[-1][1]}/{steps[-1][2]}" if steps else ""
+
+
+def run_jobs(jobs, workers, study):
+    """Runs the jobs whose JSON is not cached yet, `workers` at a time, and returns {name: result}.
+
+    Prints a line as each job finishes (with the elapsed time and an estimate of what is left) and,
+    while they run, a status line with every running job's last training step: rewritten in place on
+    a terminal, every 30 s otherwise. A failed job stops the others and ends the study with its log."""
+    results = {j.name: load(j.path) for j in jobs if os.path.exists(j.path)}
+    pending = [j for j in jobs if j.name not in results]
+    if results:
+        print(f"{study}: {len(results)} of {len(jobs)} runs cached in {os.path.dirname(jobs[0].path)}"
+              " (delete them to recompute)", flush=True)
+    tty = sys.stdout.isatty()
+    total, start, last_status, durations = len(pending), time.time(), 0.0, []
+    running = []  # (job, process, stdout file, start time)
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                job = pending.pop(0)
+                out = open(job.path + ".out", "w")
+                with open(job.log, "w") as err:
+                    proc = subprocess.Popen(job.cmd, stdout=out, stderr=err)
+                running.append((job, proc, out, time.time()))
+            time.sleep(0.5)
+            for entry in list(running):
+                job, proc, out, began = entry
+                if proc.poll() is None:
+                    continue
+                running.remove(entry)
+                out.close()
+                if proc.returncode != 0:
+                    sys.exit(f"{study}: {' '.join(job.cmd)} failed (exit {proc.returncode}); see {job.log}")
+                os.replace(job.path + ".out", job.path)
+                results[job.name] = load(job.path)
+                durations.append(time.time() - began)
+                done = len(durations)
+                left = sum(durations) / done * (total - done) / workers
+                print(("\r\033[K" if tty else "") + f"[{done}/{total}] {job.name} done in {durations[-1]:.0f} s"
+                      f"  ({time.time() - start:.0f} s elapsed, about {left:.0f} s left)", flush=True)
+            now = time.time()
+            if running and (tty or now - last_status >= 30):
+                status = ", ".join(f"{j.name} {last_step(j.log)}".rstrip() for j, _, _, _ in running)
+                line = f"  running: {status}  ({now - start:.0f} s)"
+                print(("\r\033[K" + line[:160]) if tty else line, end="" if tty else "\n", flush=True)
+                last_status = now
+    finally:
+        for job, proc, out, _ in running:
+            proc.kill()
+            proc.wait()
+            out.close()
+        if tty:
+            print("\r\033[K", end="", flush=True)
+    return results
+
+
+def ensure_base(moe_lm, base, gating, steps, study):
+    """Pretrains `base` unless it exists, streaming the driver's progress lines; its JSON goes to base.json."""
+    if os.path.exists(base):
+        print(f"{study}: reusing the base checkpoint {base}", flush=True)
+        return
+    print(f"{study}: pretraining {base} ({steps} steps, {gating} router) ...", flush=True)
+    stem = os.path.splitext(base)[0]
+    cmd = [moe_lm, "--log-every", "100", "pretrain", "--out", base + ".tmp", "--gating", gating,
+           "--steps", str(steps)]
+    start = time.time()
+    with open(stem + ".json.tmp", "w") as out, open(stem + ".log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True)
+        for line in proc.stderr:
+            log.write(line)
+            if STEP.match(line):
+                print(f"  {line.rstrip()}  ({time.time() - start:.0f} s)", flush=True)
+        if proc.wait() != 0:
+            sys.exit(f"{study}: {' '.join(cmd)} failed (exit {proc.returncode}); see {stem}.log")
+    os.replace(stem + ".json.tmp", stem + ".json")
+    os.replace(base + ".tmp", base)  # last, so an interrupted pretraining is not mistaken for a base
 
 
 def mean_sd(values):
@@ -37,3 +121,14 @@ def mean_sd(values):
     m = sum(values) / len(values)
     sd = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
     return m, sd
+
+
+def table_text(head, rows, columns, width):
+    """A fixed-width table of mean±sd cells: `head` heads the name column (and sets its width),
+    rows are (name, {key: (mean, sd)}), columns (key, label); a missing key leaves its cell blank."""
+    left = width // 2 + 1
+    lines = [head + "".join(f"{label:>{width}}" for _, label in columns)]
+    for name, m in rows:
+        lines.append(f"{name:<{len(head)}}" + "".join(
+            f"{m[k][0]:>{left}.3f}±{m[k][1]:<{width - left - 1}.3f}" if k in m else " " * width for k, _ in columns))
+    return "\n".join(lines)

@@ -8,7 +8,11 @@ exact-match accuracy and answer-span loss, and the bias-free routing retention a
 exists are reused, so an interrupted study resumes. Standard library only.
 
     study_rpb.py --moe-lm build/examples/moe_lm/moe_lm --out rpb_study            # reduced grid
-    study_rpb.py --moe-lm ... --out rpb_study --full                              # every condition, 3 seeds
+    study_rpb.py --moe-lm ... --out rpb_study --full                              # every condition
+
+The reduced grid (the default, and the first half of the main job, studies.py): SFT, LBL, the four soft
+anchors (RPB, Router-L2, KL-to-base, logit-L2) and RPB-hard on arithmetic, seeds 0 1 2, 150 steps.
+--full: every condition of RPB Table 1 and z-loss.
 """
 
 import argparse
@@ -20,11 +24,11 @@ import subprocess
 import sys
 import time
 
-from study_common import cached, mean_sd, run
+from study_common import Job, ensure_base, mean_sd, run_jobs, table_text
 
 ALL_CONDITIONS = ["sft", "lbl", "rpb", "router_l2", "kl_to_base", "logit_l2", "z_loss", "rpb_hard",
                   "within_soft", "within_hard", "global_hard"]
-REDUCED_CONDITIONS = ["sft", "lbl", "rpb", "router_l2", "rpb_hard"]
+REDUCED_CONDITIONS = ["sft", "lbl", "rpb", "router_l2", "kl_to_base", "logit_l2", "rpb_hard"]  # + the four soft anchors
 COLUMNS = [("id_acc", "ID acc"), ("ood_acc", "OOD acc"), ("id_loss", "ID loss"), ("ood_loss", "OOD loss"),
            ("tvd", "TVD"), ("jsd", "JSD"), ("topk", "top-k"), ("nmi", "NMI"), ("dq", "dQ")]
 
@@ -89,51 +93,50 @@ def plot(out, domains, conditions, seeds, rows):
     return written
 
 
-def main():
+def parser():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--moe-lm", required=True, help="the moe_lm executable")
     ap.add_argument("--out", required=True, help="study directory (checkpoint, runs, tables)")
     ap.add_argument("--base", help="a base checkpoint to reuse (default: OUT/base.pt, pretrained if missing)")
-    ap.add_argument("--gating", default="softmax", help="base router preset: softmax or sigmoid_bias")
+    ap.add_argument("--gating", default="softmax", help="router preset of a base pretrained here (moe_lm pretrain --gating)")
     ap.add_argument("--pretrain-steps", type=int, default=1500)
-    ap.add_argument("--domains", nargs="+", default=["arithmetic", "code"])
+    ap.add_argument("--domains", nargs="+", default=["arithmetic"])
     ap.add_argument("--conditions", nargs="+", help=f"default: {' '.join(REDUCED_CONDITIONS)} ({' '.join(ALL_CONDITIONS)} with --full)")
-    ap.add_argument("--seeds", nargs="+", type=int, help="default: 0 (0 1 2 with --full)")
-    ap.add_argument("--steps", type=int, default=300, help="post-training steps")
-    ap.add_argument("--full", action="store_true", help="every condition of RPB Table 1 and z-loss, three seeds")
-    ap.add_argument("--log-every", type=int, default=50, help="training-curve resolution (steps)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=150, help="post-training steps")
+    ap.add_argument("--full", action="store_true", help="every condition of RPB Table 1 and z-loss")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time (each uses one thread)")
+    ap.add_argument("--log-every", type=int, default=25, help="training-curve resolution (steps)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further posttrain flags")
-    a = ap.parse_args()
+    return ap
+
+
+def study(a):
+    """Runs the study `a` (parsed by parser()) and returns its table as text."""
     conditions = a.conditions or (ALL_CONDITIONS if a.full else REDUCED_CONDITIONS)
-    seeds = a.seeds or ([0, 1, 2] if a.full else [0])
+    seeds = a.seeds
     os.makedirs(os.path.join(a.out, "runs"), exist_ok=True)
     start = time.time()
 
     base = a.base or os.path.join(a.out, "base.pt")
-    if not os.path.exists(base):
-        print(f"pretraining {base} ({a.pretrain_steps} steps, {a.gating}) ...", flush=True)
-        cached(os.path.join(a.out, "base.json"), lambda: run(
-            [a.moe_lm, "--log-every", "100", "pretrain", "--out", base, "--gating", a.gating, "--steps",
-             str(a.pretrain_steps)], os.path.join(a.out, "pretrain.log"), "study_rpb"))
-    base_eval = cached(os.path.join(a.out, "base_eval.json"),
-                       lambda: run([a.moe_lm, "eval", "--model", base], os.path.join(a.out, "base_eval.log"), "study_rpb"))
+    ensure_base(a.moe_lm, base, a.gating, a.pretrain_steps, "study_rpb")
+    base_eval = run_jobs([Job("base_eval", [a.moe_lm, "eval", "--model", base],
+                              os.path.join(a.out, "base_eval.json"))], 1, "study_rpb")["base_eval"]
+
+    jobs = [Job(f"{domain}_{cond}_s{seed}",
+                [a.moe_lm, "--log-every", str(a.log_every), "posttrain", "--base", base, "--domain", domain,
+                 "--condition", cond, "--seed", str(seed), "--steps", str(a.steps)] + a.extra,
+                os.path.join(a.out, "runs", f"{domain}_{cond}_s{seed}.json"))
+            for domain in a.domains for seed in seeds for cond in conditions]
+    print(f"study_rpb: {len(jobs)} post-training runs ({len(a.domains)} domain(s) x {len(conditions)} conditions"
+          f" x {len(seeds)} seed(s), {a.steps} steps), {a.jobs} at a time", flush=True)
+    results = run_jobs(jobs, a.jobs, "study_rpb")
 
     rows = []  # (domain, condition, metric dict of (mean, sd), seeds)
-    total = len(a.domains) * len(conditions) * len(seeds)
-    done = 0
     for domain in a.domains:
         rows.append((domain, "base", {k: (v, 0.0) for k, v in base_row(base_eval, domain).items()}, 0))
         for cond in conditions:
-            per_seed = []
-            for seed in seeds:
-                name = f"{domain}_{cond}_s{seed}"
-                path = os.path.join(a.out, "runs", name + ".json")
-                done += 1
-                print(f"[{done}/{total}] {name} ({time.time() - start:.0f} s)", flush=True)
-                per_seed.append(row_of(cached(path, lambda: run(
-                    [a.moe_lm, "--log-every", str(a.log_every), "posttrain", "--base", base, "--domain", domain,
-                     "--condition", cond, "--seed", str(seed), "--steps", str(a.steps)] + a.extra,
-                    os.path.join(a.out, "runs", name + ".log"), "study_rpb"))))
+            per_seed = [row_of(results[f"{domain}_{cond}_s{seed}"]) for seed in seeds]
             rows.append((domain, cond, {k: mean_sd([r[k] for r in per_seed]) for k in per_seed[0]}, len(seeds)))
 
     with open(os.path.join(a.out, "rpb_table.csv"), "w", newline="") as f:
@@ -145,15 +148,14 @@ def main():
         json.dump([{"domain": d, "condition": c, "seeds": n, **{k: {"mean": v[0], "sd": v[1]} for k, v in m.items()}}
                    for d, c, m, n in rows], f, indent=1)
 
-    header = f"{'domain':<11}{'condition':<13}" + "".join(f"{label:>16}" for _, label in COLUMNS)
-    print(header)
-    for domain, cond, m, n in rows:
-        cells = "".join(f"{m[k][0]:>9.3f}±{m[k][1]:<6.3f}" if k in m else f"{'':>16}" for k, _ in COLUMNS)
-        print(f"{domain:<11}{cond:<13}{cells}")
-    for png in plot(a.out, a.domains, conditions, seeds, rows):
-        print(png)
-    print(f"{total} runs, {time.time() - start:.0f} s; tables in {a.out}/rpb_table.csv and .json")
+    extra = f", posttrain {' '.join(a.extra)}" if a.extra else ""
+    text = [f"RPB post-training study ({a.gating} router{extra}): mean ± sd over seeds {' '.join(map(str, seeds))}, {a.steps} steps"
+            " (EM = exact match; retention of the bias-free routing against the base)",
+            table_text(f"{'domain':<11}{'condition':<13}", [(f"{d:<11}{c}", m) for d, c, m, _ in rows], COLUMNS, 16)]
+    text += plot(a.out, a.domains, conditions, seeds, rows)
+    text.append(f"{len(jobs)} runs, {time.time() - start:.0f} s; tables in {a.out}/rpb_table.csv and .json")
+    return "\n".join(text)
 
 
 if __name__ == "__main__":
-    main()
+    print(study(parser().parse_args()))

@@ -179,6 +179,90 @@ TEST_CASE("route op: gradient under the soft prior (RPB) with kl_to_base equals 
   check_gradient(rc);
 }
 
+TEST_CASE("expert-choice op: each expert takes its C best tokens, and the gradient equals LibTorch autograd") {
+  torch::manual_seed(11);
+  const std::int64_t n = 29, e = 6;
+  auto z0 = torch::randn({n, e}) * 1.5;
+  z0[5] = z0[3].clone();  // two identical tokens: ties go to the lower index
+  const auto z = z0.requires_grad_(true);
+  layer_record rec;
+  const auto gates = route_expert_choice(z, moe_route::selection::expert_choice{2, 1.0, 0}, 1, rec);
+  const auto upstream = torch::randn({n, e});
+  (gates * upstream).sum().backward();
+
+  // Reference: capacity C = ceil(N K / E); expert j takes the C tokens of highest softmax score.
+  const std::int64_t cap = (n * 2 + e - 1) / e;
+  const auto s = torch::softmax(z.detach(), 1);
+  std::vector<std::vector<std::int32_t>> taken(static_cast<std::size_t>(n));
+  for (std::int64_t j = 0; j < e; ++j) {
+    std::vector<std::int64_t> tokens(static_cast<std::size_t>(n));
+    for (std::int64_t t = 0; t < n; ++t) tokens[static_cast<std::size_t>(t)] = t;
+    std::stable_sort(tokens.begin(), tokens.end(),
+                     [&](std::int64_t a, std::int64_t b) { return s[a][j].item<float>() > s[b][j].item<float>(); });
+    for (std::int64_t c = 0; c < cap; ++c) taken[static_cast<std::size_t>(tokens[static_cast<std::size_t>(c)])].push_back(static_cast<std::int32_t>(j));
+  }
+  auto ref_gates = torch::zeros({n, e});
+  for (std::int64_t t = 0; t < n; ++t) {
+    CAPTURE(t);
+    const auto& row = taken[static_cast<std::size_t>(t)];
+    for (std::int64_t c = 0; c < e; ++c) {
+      const std::int32_t want = c < static_cast<std::int64_t>(row.size()) ? row[static_cast<std::size_t>(c)] : -1;
+      CHECK(rec.executed[t][c].item<std::int32_t>() == want);
+      if (want >= 0) ref_gates[t][c] = s[t][want];
+    }
+  }
+  CHECK(max_abs(gates.detach() - ref_gates) < 1e-6);
+  auto zr = z.detach().clone().requires_grad_(true);
+  const auto idx = rec.executed.to(torch::kInt64);
+  const auto mask = (idx >= 0).to(torch::kFloat32);
+  (torch::softmax(zr, 1).gather(1, idx.clamp_min(0)) * mask * upstream).sum().backward();
+  CHECK(max_abs(z.grad() - zr.grad()) < 1e-6);
+}
+
+TEST_CASE("route op: the locality penalty, one call per expert-parallel rank, equals LibTorch autograd") {
+  torch::manual_seed(13);
+  const std::int64_t n = 40, e = 8, split_at = 23;  // rank 0 routes tokens [0, 23), rank 1 [23, 40)
+  const float lambda = 0.05f, eps = 1e-3f;
+  auto z = (torch::randn({n, e}) * 1.5).requires_grad_(true);
+  route_call call;
+  call.router.gating = rt::gating_kind::softmax;
+  call.router.locality.coefficient = lambda;
+  call.router.locality.epsilon = eps;
+  for (std::int64_t t = 0; t < n; ++t) call.group_ids.push_back(t < split_at ? 0 : 1);
+  call.num_groups = 2;
+  layer_record rec;
+  const auto out = route(z, call, rec);
+  const auto upstream_gates = torch::randn({n, 2});
+  const auto upstream_values = torch::tensor({0.7f, 1.3f, 0.9f, 1.1f, 0.5f});
+  (out[0] * upstream_gates).sum().add((out[1] * upstream_values).sum()).backward();
+
+  route_call plain = call;  // selection is per token, so splitting the call does not change it
+  plain.router.locality.coefficient = 0.0f;
+  layer_record rec_plain;
+  torch::NoGradGuard no_grad_for_plain;
+  route(z.detach(), plain, rec_plain);
+  CHECK(torch::equal(rec.routed, rec_plain.routed));
+  {
+    torch::AutoGradMode grad_on(true);
+    auto zr = z.detach().clone().requires_grad_(true);
+    const auto p = torch::softmax(zr, 1);
+    const auto gates = p.gather(1, rec.routed.to(torch::kInt64));
+    // Rank r hosts experts j with j * 2 / 8 == r: 0-3 on rank 0, 4-7 on rank 1.
+    torch::Tensor locality = torch::zeros({});
+    for (int r = 0; r < 2; ++r) {
+      const auto rows = r == 0 ? p.slice(0, 0, split_at) : p.slice(0, split_at, n);
+      const auto dc = rows.mean(0);
+      auto dl = torch::full({e}, eps / 4.0f);
+      dl.slice(0, 4 * r, 4 * r + 4).fill_((1.0f - eps) / 4.0f);
+      locality = locality + lambda * (dc * (dc / dl).log()).sum() / 2.0;  // the mean over the ranks
+    }
+    CHECK(out[1][4].item<double>() == doctest::Approx(locality.item<double>()).epsilon(1e-5));
+    for (int i = 0; i < 4; ++i) CHECK(out[1][i].item<double>() == 0.0);
+    ((gates * upstream_gates).sum() + locality * upstream_values[4]).backward();
+    CHECK(max_abs(z.grad() - zr.grad()) < 1e-5 * std::max(1.0, max_abs(zr.grad())));
+  }
+}
+
 TEST_CASE("JSONL loader: examples and errors with line numbers") {
   const std::string good = R"({"prompt": "1+1=", "answer": "2", "domain": "arithmetic"})";
   const std::string path = temp_file("good.jsonl", good + "\n\n" + R"({"prompt":"reverse: ab","answer":"ba","domain":"words"})" + "\n");
@@ -226,6 +310,8 @@ struct smoke_run {
   condition c;
   std::string admission;
   int groups = 1;
+  float locality = 0.0f;       // the locality penalty over the groups
+  bool expert_choice = false;  // expert-choice routing while training
 };
 
 // Pretrains a tiny model of `preset`, then post-trains a copy under each run.
@@ -290,7 +376,10 @@ void smoke(gating_preset preset, const std::vector<smoke_run>& runs) {
       tables = prepare_prior(pi, 4);
       m->set_prior(tables);
     }
-    m->set_router(cs.router);
+    rt::router_config router = cs.router;
+    router.locality.coefficient = r.locality;
+    m->set_router(router);
+    if (r.expert_choice) m->set_expert_choice(moe_route::selection::expert_choice{2, 1.0, 0});
     rt::admission_config adm;
     if (r.admission != "dropless") {
       adm.dropless = false;
@@ -305,6 +394,12 @@ void smoke(gating_preset preset, const std::vector<smoke_run>& runs) {
     if (r.c == condition::lbl || r.c == condition::kl_to_base || r.c == condition::z_loss || r.c == condition::logit_l2)
       CHECK(tr.log.back().aux_loss > 0.0);
     if (r.c == condition::router_l2) CHECK(tr.log.back().router_l2 > 0.0);
+    if (r.locality != 0.0f) CHECK(tr.log.back().aux_loss > 0.0);
+    if (r.expert_choice) {  // every expert took its capacity of every group in every step
+      m->set_expert_choice(std::nullopt);
+      const auto& loads = tr.executed_loads[0];
+      CHECK(std::all_of(loads.begin(), loads.end(), [&](std::int64_t v) { return v == loads[0] && v > 0; }));
+    }
     if (r.admission != "dropless") {
       std::int64_t executed = 0;
       for (auto v : tr.executed_loads[0]) executed += v;
@@ -350,7 +445,16 @@ TEST_CASE("smoke (softmax preset): pretraining, then post-training under every c
          {condition::rpb_hard, "dropless"}, {condition::router_l2, "dropless"}, {condition::kl_to_base, "dropless"},
          {condition::logit_l2, "dropless"}, {condition::z_loss, "dropless"}, {condition::within_soft, "dropless"},
          {condition::within_hard, "dropless"}, {condition::global_hard, "dropless"}, {condition::sft, "cipher_strict"},
-         {condition::sft, "cipher_reroute", 2}, {condition::rpb_hard, "cipher_strict", 2}});
+         {condition::sft, "cipher_reroute", 2}, {condition::rpb_hard, "cipher_strict", 2},
+         {condition::sft, "cipher_strict", 2, 0.05f}, {condition::sft, "dropless", 2, 0.0f, true}});
+}
+
+TEST_CASE("smoke (group_limited, sqrt_softplus and softmax_after_topk presets)") {
+  for (gating_preset p : {gating_preset::group_limited, gating_preset::sqrt_softplus, gating_preset::softmax_after_topk}) {
+    CAPTURE(preset_name(p));
+    smoke(p, {{condition::sft, "dropless"}, {condition::lbl, "dropless"}, {condition::rpb, "dropless"},
+              {condition::rpb_hard, "cipher_strict", 2}});
+  }
 }
 
 TEST_CASE("smoke (sigmoid_bias preset): the same with the aux-loss-free bias") {

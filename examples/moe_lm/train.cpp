@@ -178,7 +178,7 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
         result.executed_loads[l][j] += rec.counts[j];
       }
     }
-    result.slots += m.moe_layers().front()->last.routed.numel();
+    result.slots += m.moe_layers().front()->last.offered;
     result.log.push_back(log);
     window += log.task_loss;
     ++window_steps;
