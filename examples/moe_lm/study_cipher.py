@@ -93,8 +93,8 @@ def plot(out, domain, conditions, seed, runs):
         return []
     pdir = os.path.join(out, "plots")
     os.makedirs(pdir, exist_ok=True)
-    terminal = "pngcairo noenhanced size 1000,450" if subprocess.run(
-        [gnuplot, "-e", "set terminal pngcairo"], capture_output=True).returncode == 0 else "png noenhanced size 1000,450"
+    terminal = "pngcairo noenhanced size 1300,500" if subprocess.run(
+        [gnuplot, "-e", "set terminal pngcairo"], capture_output=True).returncode == 0 else "png noenhanced size 1300,500"
     layers = len(runs["vanilla"]["train"]["layers"])
     panels = []
     for l in range(layers):
@@ -110,11 +110,12 @@ def plot(out, domain, conditions, seed, runs):
             with open(dat, "w") as f:
                 f.writelines(f"{rank} {layer['executed_loads'][j] / uniform}\n" for rank, j in enumerate(order))
             series.append(f"'{dat}' using 1:2 with linespoints title '{name}'")
-        panels.append(f"set title 'layer {l}'; plot " + ", ".join(series) + ";")
+        key = "set key outside right;" if l == layers - 1 else "unset key;"  # one legend, beside the last panel
+        panels.append(f"set title 'layer {l}'; {key} plot " + ", ".join(series) + ";")
     png = os.path.join(pdir, f"load_per_expert_{domain}.png")
     script = (f"set terminal {terminal}; set output '{png}';"
               f"set multiplot layout 1,{layers} title 'executed load per expert, post-training on {domain} (seed {seed})';"
-              f"set xlabel 'expert (ordered by vanilla load)'; set ylabel 'load / uniform load'; set key top right;"
+              f"set xlabel 'expert (ordered by vanilla load)'; set ylabel 'load / uniform load';"
               f"set yrange [0:*]; " + " ".join(panels) + " unset multiplot")
     subprocess.run([gnuplot, "-e", script], check=True)
     return [png]
