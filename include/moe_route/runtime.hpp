@@ -281,62 +281,92 @@ decltype(auto) visit_admission(const admission_config& a, F&& f) {
 
 namespace detail {
 
-// Neutral values for the policy inputs a call leaves null, so that every
-// runtime router (which carries every penalty) passes validation; a policy
-// that is on still needs its real inputs, and is told so by name.
+// The policy inputs a call leaves null, which a runtime router (it carries
+// every penalty) needs as neutral values: no prior row for any token, a zero
+// prior bias and uniform prior probabilities over prior_rows rows, one
+// sequence, uniform load fractions, every expert on rank 0. Both backends fill
+// the same set (host vectors here, device scratch in backend/cuda/runtime.cuh).
+struct missing_inputs {
+  bool token_prior_row = false, prior_bias = false, prior_probs = false, sequence_ids = false,
+       load_fractions = false, expert_rank = false;
+  std::int64_t prior_rows = 0;  // rows of the neutral prior tables: the caller's, or 1 when it gives neither
+};
+
+// Which inputs `in` leaves null. A policy that is on still needs its real
+// input: a missing one is named in the error.
+inline missing_inputs find_missing(const router_config& c, const route_inputs<float>& in) {
+  auto fail = [](const std::string& m) { throw error("moe_route: " + m); };
+  missing_inputs m;
+  if (in.num_experts < 1) return m;  // the backend names the bad E
+  const bool prior_on = c.prior != prior_kind::none && !(c.prior == prior_kind::log_prior_bias && c.prior_bias.beta == 0.0f);
+  const bool train = in.mode == mode::train;
+  if (in.token_prior_row == nullptr) {
+    if (train && (prior_on || c.kl_to_base.coefficient != 0.0f || c.logit_l2.coefficient != 0.0f))
+      fail("token_prior_row is null, but the router's prior policy or a prior-space penalty (kl_to_base, "
+           "logit_l2) is on");
+    m.token_prior_row = true;
+  }
+  if (in.prior_bias == nullptr || in.prior_probs == nullptr) {
+    if (train && in.prior_bias == nullptr && (prior_on || c.logit_l2.coefficient != 0.0f))
+      fail("prior_bias is null, but the prior policy or logit_l2 is on (prior::prepare)");
+    if (train && in.prior_probs == nullptr && c.kl_to_base.coefficient != 0.0f)
+      fail("prior_probs is null, but kl_to_base is on (prior::prepare's probs)");
+    m.prior_bias = in.prior_bias == nullptr;
+    m.prior_probs = in.prior_probs == nullptr;
+  }
+  m.prior_rows = m.prior_bias && m.prior_probs ? 1 : in.prior_rows;
+  if (in.sequence_ids == nullptr) {
+    if (train && c.load_balance.coefficient != 0.0f && c.load_balance.over == penalty::load_balance::scope::sequence)
+      fail("sequence_ids is null, but load_balance has scope::sequence");
+    m.sequence_ids = true;
+  }
+  if (in.load_fractions == nullptr) {
+    if (train && c.load_balance.coefficient != 0.0f && c.load_balance.over == penalty::load_balance::scope::global_batch)
+      fail("load_fractions is null, but load_balance has scope::global_batch");
+    m.load_fractions = true;
+  }
+  m.expert_rank = in.expert_rank == nullptr;
+  return m;
+}
+
+// The host copies of the neutral inputs (find_missing) for a CPU call.
 struct neutral_inputs {
   std::vector<float> zeros;                // prior_bias: every row 0
-  std::vector<float> ones;                 // prior_probs: every row uniform
+  std::vector<float> uniform_rows;         // prior_probs: every row uniform
   std::vector<std::int32_t> no_prior;      // [N] -1
   std::vector<std::int32_t> one_sequence;  // [N] 0
   std::vector<float> uniform;              // [E] 1/E
   std::vector<std::int32_t> rank_zero;     // [E] 0
 
   route_inputs<float> complete(const router_config& c, route_inputs<float> in) {
-    auto fail = [](const std::string& m) { throw error("moe_route: " + m); };
-    const std::int64_t n = in.num_tokens;
-    const int e = in.num_experts;
-    if (e < 1) return in;  // the backend names the bad E
-    const bool prior_on = c.prior != prior_kind::none && !(c.prior == prior_kind::log_prior_bias && c.prior_bias.beta == 0.0f);
-    const bool train = in.mode == mode::train;
-    if (in.token_prior_row == nullptr) {
-      if (train && (prior_on || c.kl_to_base.coefficient != 0.0f || c.logit_l2.coefficient != 0.0f))
-        fail("token_prior_row is null, but the router's prior policy or a prior-space penalty (kl_to_base, "
-             "logit_l2) is on");
-      no_prior.assign(static_cast<std::size_t>(n), -1);
+    const missing_inputs m = find_missing(c, in);
+    const auto n = static_cast<std::size_t>(std::max<std::int64_t>(in.num_tokens, 0));
+    const auto e = static_cast<std::size_t>(std::max(in.num_experts, 0));
+    const float one_over_e = 1.0f / static_cast<float>(std::max(in.num_experts, 1));
+    if (m.token_prior_row) {
+      no_prior.assign(n, -1);
       in.token_prior_row = no_prior.data();
     }
-    if (in.prior_bias == nullptr || in.prior_probs == nullptr) {
-      if (train && in.prior_bias == nullptr && (prior_on || c.logit_l2.coefficient != 0.0f))
-        fail("prior_bias is null, but the prior policy or logit_l2 is on (prior::prepare)");
-      if (train && in.prior_probs == nullptr && c.kl_to_base.coefficient != 0.0f)
-        fail("prior_probs is null, but kl_to_base is on (prior::prepare's probs)");
-      if (in.prior_bias == nullptr && in.prior_probs == nullptr) in.prior_rows = 1;
-      if (in.prior_bias == nullptr) {
-        zeros.assign(static_cast<std::size_t>(in.prior_rows) * e, 0.0f);
-        in.prior_bias = zeros.data();
-      }
-      if (in.prior_probs == nullptr) {
-        ones.assign(static_cast<std::size_t>(in.prior_rows) * e, 1.0f / static_cast<float>(e));
-        in.prior_probs = ones.data();
-      }
+    if (m.prior_bias || m.prior_probs) in.prior_rows = m.prior_rows;
+    if (m.prior_bias) {
+      zeros.assign(static_cast<std::size_t>(m.prior_rows) * e, 0.0f);
+      in.prior_bias = zeros.data();
     }
-    if (in.sequence_ids == nullptr) {
-      if (train && c.load_balance.coefficient != 0.0f && c.load_balance.over == penalty::load_balance::scope::sequence)
-        fail("sequence_ids is null, but load_balance has scope::sequence");
-      one_sequence.assign(static_cast<std::size_t>(n), 0);
+    if (m.prior_probs) {
+      uniform_rows.assign(static_cast<std::size_t>(m.prior_rows) * e, one_over_e);
+      in.prior_probs = uniform_rows.data();
+    }
+    if (m.sequence_ids) {
+      one_sequence.assign(n, 0);
       in.sequence_ids = one_sequence.data();
       in.num_sequences = 1;
     }
-    if (in.load_fractions == nullptr) {
-      if (train && c.load_balance.coefficient != 0.0f &&
-          c.load_balance.over == penalty::load_balance::scope::global_batch)
-        fail("load_fractions is null, but load_balance has scope::global_batch");
-      uniform.assign(static_cast<std::size_t>(e), 1.0f / static_cast<float>(e));
+    if (m.load_fractions) {
+      uniform.assign(e, one_over_e);
       in.load_fractions = uniform.data();
     }
-    if (in.expert_rank == nullptr) {
-      rank_zero.assign(static_cast<std::size_t>(e), 0);
+    if (m.expert_rank) {
+      rank_zero.assign(e, 0);
       in.expert_rank = rank_zero.data();
       in.rank = 0;
     }
@@ -378,18 +408,24 @@ void backward_with(const router_config& c, const route_inputs<float>& in, const 
 }
 
 // cpu::admit with the policy of `a`. Admission reads only the router's gating,
-// K, normalisation and scaling, so it runs on the plain router of that gating.
+// K, normalisation and scaling, so it runs on the plain router of that gating
+// (on both backends).
 template <class Gating>
-admission_report admit_with(const router_config& c, const admission_config& a, const admission_inputs<float>& in,
-                            const admission_outputs& out, cpu::execution ex) {
+router<Gating, selection::top_k, max_top_k> admission_router(const router_config& c) {
   validate(c);
   router<Gating, selection::top_k, max_top_k> r;
   r.top_k = c.top_k;
   r.normalize = c.normalize;
   r.scaling_factor = c.scaling_factor;
-  return visit_admission(a, [&](const auto& p) { return cpu::admit(r, p, in, out, ex); });
+  return r;
 }
 
+template <class Gating>
+admission_report admit_with(const router_config& c, const admission_config& a, const admission_inputs<float>& in,
+                            const admission_outputs& out, cpu::execution ex) {
+  const auto r = admission_router<Gating>(c);
+  return visit_admission(a, [&](const auto& p) { return cpu::admit(r, p, in, out, ex); });
+}
 
 inline route_report route(const router_config& c, const route_inputs<float>& in, const route_outputs& out,
                           cpu::execution ex = {}) {

@@ -6,7 +6,12 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <moe_route/backend/cuda/runtime.cuh>
 #include <moe_route/moe_route.cuh>
+#ifdef MOE_ROUTE_TEST_CUDA_RUNTIME
+#include <moe_route/backend/cuda/runtime_instantiate.cuh>
+#include <moe_route/runtime_instantiate.hpp>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -991,3 +996,235 @@ GPU_TEST_CASE("router_l2: cuda::router_l2_apply equals penalty::router_l2::apply
   CHECK(same_bits(dvalue.to_host(), std::vector<double>{value}));
   for (std::size_t l = 0; l < sizes.size(); ++l) CHECK(same_bits(dgrad[l]->to_host(), grad[l]));
 }
+
+// ---------------------------------------------------------------- runtime routers
+
+// runtime::cuda's neutral inputs: too little scratch is refused on the host,
+// before any launch, naming both sizes (runs without a device).
+TEST_CASE("runtime::cuda: too little neutral scratch is an error naming neutral_bytes") {
+  namespace rt = moe_route::runtime;
+  rt::router_config c;
+  c.load_balance.coefficient = 0.1f;
+  const float dummy = 0.0f;
+  const mr::route_inputs<float> in{&dummy, 10, 8};
+  const std::size_t needed = rt::cuda::neutral_bytes(c, in);
+  CHECK(needed >= 2 * 256);  // at least the [N] rows and sequence ids
+  CHECK_THROWS_WITH_AS(rt::cuda::detail::complete(c, in, nullptr, 0, cudaStream_t{}),
+                       doctest::Contains("neutral_bytes"), mr::error);
+  // A policy that is on still needs its real input.
+  c.kl_to_base.coefficient = 0.1f;
+  CHECK_THROWS_WITH_AS(rt::cuda::neutral_bytes(c, in), doctest::Contains("token_prior_row"), mr::error);
+}
+
+// The runtime calls on the device (instances/cuda_*.cu) take minutes of nvcc,
+// so this part is compiled only with MOE_ROUTE_BUILD_CUDA_RUNTIME (the gpu preset).
+#ifdef MOE_ROUTE_TEST_CUDA_RUNTIME
+namespace {
+
+namespace rt = moe_route::runtime;
+
+// One configuration through runtime::route/backward and runtime::cuda::route/
+// backward: identical indices, gates, penalty values and dL/dz. With `full`
+// every training input is given; otherwise none is, and the configuration's
+// policies must not need one, so the neutral scratch supplies them all.
+void check_runtime_parity(const rt::router_config& c, int E, std::int64_t N, bool full, std::mt19937& g,
+                          cudaStream_t stream) {
+  CAPTURE(rt::name(c.gating));
+  CAPTURE(static_cast<int>(c.selection));
+  CAPTURE(static_cast<int>(c.prior));
+  CAPTURE(E);
+  CAPTURE(full);
+  const int K = c.top_k;
+  const std::size_t nk = static_cast<std::size_t>(N) * K, ne = static_cast<std::size_t>(N) * E;
+  const auto z = make_logits<float>(g, N, E);
+  const auto expert_bias = make_bias(g, E);
+  const training_data d = make_training_data(g, N, E);
+  const auto grad = make_grad(g, nk);
+  const std::vector<float> upstream = {1.5f, 0.5f, 2.0f, 1.0f, 0.75f};
+  const bool biased = rt::selection_uses_bias(c.selection);
+  const std::size_t bytes = rt::workspace_bytes(c, N, E, full ? d.num_sequences : 1);
+
+  mr::route_inputs<float> host_in{z.data(), N, E, biased ? expert_bias.data() : nullptr};
+  if (full)
+    host_in = training_inputs(z.data(), N, E, host_in.expert_bias, d.bias.data(), d.probs.data(), d.rows.data(),
+                              d.sequences.data(), d.fractions.data(), d.ranks.data(), d);
+  std::vector<std::int32_t> cpu_idx(nk);
+  std::vector<float> cpu_gates(nk), cpu_dz(ne);
+  std::vector<double> cpu_values(rt::num_penalties);
+  std::vector<unsigned char> cpu_ws(bytes);
+  mr::route_outputs ho{cpu_idx.data(), cpu_gates.data()};
+  ho.penalty_values = cpu_values.data();
+  ho.workspace = cpu_ws.data();
+  ho.workspace_bytes = bytes;
+  rt::route(c, host_in, ho);
+  mr::backward_args hb{cpu_idx.data(), grad.data(), cpu_dz.data()};
+  hb.workspace = cpu_ws.data();
+  hb.workspace_bytes = bytes;
+  hb.penalty_grads = upstream.data();
+  rt::backward(c, host_in, hb);
+
+  device_buffer<float> dz_in(z), debias(expert_bias), dbias(d.bias), dprobs(d.probs), dfrac(d.fractions), dgrad(grad);
+  device_buffer<std::int32_t> drows(d.rows), dseq(d.sequences), dranks(d.ranks), didx(nk);
+  device_buffer<float> dgates(nk), ddz(ne);
+  device_buffer<double> dvalues(rt::num_penalties);
+  device_buffer<unsigned char> dws(bytes);
+  didx.poison();
+  dgates.poison();
+  ddz.poison();
+  mr::route_inputs<float> dev_in{dz_in.get(), N, E, biased ? debias.get() : nullptr};
+  if (full)
+    dev_in = training_inputs(dz_in.get(), N, E, dev_in.expert_bias, dbias.get(), dprobs.get(), drows.get(), dseq.get(),
+                             dfrac.get(), dranks.get(), d);
+  const std::size_t scratch_bytes = rt::cuda::neutral_bytes(c, dev_in);
+  CHECK((scratch_bytes == 0) == full);
+  device_buffer<unsigned char> scratch(scratch_bytes);
+  scratch.poison();
+  mr::route_outputs o{didx.get(), dgates.get()};
+  o.penalty_values = dvalues.get();
+  o.workspace = dws.get();
+  o.workspace_bytes = bytes;
+  rt::cuda::route(c, dev_in, o, scratch.get(), scratch_bytes, stream);
+  mr::backward_args b{didx.get(), dgrad.get(), ddz.get()};
+  b.workspace = dws.get();
+  b.workspace_bytes = bytes;
+  b.penalty_grads = upstream.data();
+  scratch.poison();  // backward writes the neutral inputs again
+  rt::cuda::backward(c, dev_in, b, scratch.get(), scratch_bytes, stream);
+  CUDA_REQUIRE(cudaStreamSynchronize(stream));
+  CHECK_MESSAGE(same_bits(didx.to_host(), cpu_idx), "indices differ");
+  CHECK_MESSAGE(same_bits(dgates.to_host(), cpu_gates), "gates differ");
+  CHECK_MESSAGE(same_bits(dvalues.to_host(), cpu_values), "penalty values differ");
+  const auto gpu_dz = ddz.to_host();
+  CHECK_MESSAGE(same_bits(gpu_dz, cpu_dz), "grad_logits differ first at " << first_difference(gpu_dz, cpu_dz));
+}
+
+// One admission configuration after a CPU routing: runtime::admit and
+// runtime::cuda::admit give identical indices, gates and reports.
+void check_runtime_admission(const rt::router_config& c, const rt::admission_config& a, int E, std::int64_t N,
+                             std::mt19937& g, cudaStream_t stream) {
+  CAPTURE(static_cast<int>(a.affinity));
+  CAPTURE(static_cast<int>(a.overflow));
+  CAPTURE(a.dropless);
+  const int K = c.top_k, groups = 3;
+  const std::size_t nk = static_cast<std::size_t>(N) * K;
+  const auto z = make_logits<float>(g, N, E);
+  std::vector<std::int32_t> idx(nk), group_ids(static_cast<std::size_t>(N));
+  std::vector<float> gates(nk), hidden(static_cast<std::size_t>(N)), weights(static_cast<std::size_t>(E));
+  mr::route_inputs<float> in{z.data(), N, E};
+  in.mode = mr::mode::eval;
+  std::vector<double> values(rt::num_penalties);
+  mr::route_outputs routed{idx.data(), gates.data()};
+  routed.penalty_values = values.data();
+  rt::route(c, in, routed);
+  std::uniform_real_distribution<float> norm(0.5f, 2.0f);
+  for (auto& x : hidden) x = norm(g);
+  for (auto& x : weights) x = norm(g);
+  for (std::int64_t t = 0; t < N; ++t) group_ids[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(t * groups / N);
+
+  mr::admission_inputs<float> ain{z.data(), N, E, idx.data(), gates.data()};
+  ain.hidden_norms = hidden.data();
+  ain.weight_norms = weights.data();
+  ain.group_ids = group_ids.data();
+  ain.num_groups = groups;
+  std::vector<std::int32_t> cpu_idx(nk);
+  std::vector<float> cpu_gates(nk);
+  mr::admission_report cpu_report;
+  rt::admit(c, a, ain, mr::admission_outputs{cpu_idx.data(), cpu_gates.data(), nullptr, &cpu_report});
+
+  device_buffer<float> dz(z), dgates_in(gates), dhidden(hidden), dweights(weights), dgates(nk);
+  device_buffer<std::int32_t> didx_in(idx), dgroups(group_ids), didx(nk);
+  device_buffer<mr::admission_report> dreport(1);
+  mr::admission_inputs<float> dev{dz.get(), N, E, didx_in.get(), dgates_in.get()};
+  dev.hidden_norms = dhidden.get();
+  dev.weight_norms = dweights.get();
+  dev.group_ids = dgroups.get();
+  dev.num_groups = groups;
+  const std::size_t bytes = rt::cuda::admit_workspace_bytes(c, a, N, E, groups);
+  device_buffer<unsigned char> ws(bytes);
+  rt::cuda::admit(c, a, dev, mr::admission_outputs{didx.get(), dgates.get(), nullptr, dreport.get()}, ws.get(), bytes,
+                  stream);
+  CUDA_REQUIRE(cudaStreamSynchronize(stream));
+  CHECK_MESSAGE(same_bits(didx.to_host(), cpu_idx), "admitted indices differ");
+  CHECK_MESSAGE(same_bits(dgates.to_host(), cpu_gates), "admitted gates differ");
+  const mr::admission_report r = dreport.to_host()[0];
+  CHECK(r.offered == cpu_report.offered);
+  CHECK(r.kept == cpu_report.kept);
+  CHECK(r.rerouted == cpu_report.rerouted);
+  CHECK(r.dropped == cpu_report.dropped);
+  CHECK(r.below_threshold == cpu_report.below_threshold);
+  CHECK(r.over_capacity == cpu_report.over_capacity);
+}
+
+}  // namespace
+
+GPU_TEST_CASE("runtime routers: runtime::cuda equals the CPU runtime calls bit for bit") {
+  std::mt19937 g(2027);
+  stream_guard stream;
+  const rt::gating_kind gatings[] = {rt::gating_kind::softmax, rt::gating_kind::sigmoid, rt::gating_kind::sqrt_softplus,
+                                     rt::gating_kind::softmax_after_topk};
+  const rt::selection_kind selections[] = {rt::selection_kind::top_k, rt::selection_kind::expert_bias,
+                                           rt::selection_kind::group_limited, rt::selection_kind::group_limited_bias,
+                                           rt::selection_kind::fixed};
+  for (const int E : {64, 37}) {
+    for (const auto gating : gatings) {
+      for (const auto selection : selections) {
+        const bool grouped = selection == rt::selection_kind::group_limited ||
+                             selection == rt::selection_kind::group_limited_bias;
+        if (gating == rt::gating_kind::softmax_after_topk && rt::selection_uses_bias(selection)) continue;
+        if (grouped && E % 8 != 0) continue;
+        for (const auto prior : {rt::prior_kind::none, rt::prior_kind::log_prior_bias, rt::prior_kind::prior_override}) {
+          rt::router_config c;
+          c.gating = gating;
+          c.selection = selection;
+          c.top_k = 4;
+          c.normalize = gating != rt::gating_kind::softmax;
+          c.groups = 8;
+          c.top_groups = 4;
+          c.prior = prior;
+          c.prior_bias.beta = 0.7f;
+          c.load_balance.coefficient = 0.3f;
+          c.z_loss.coefficient = 0.01f;
+          c.kl_to_base.coefficient = 0.2f;
+          c.logit_l2.coefficient = 0.1f;
+          c.locality.coefficient = 0.4f;
+          check_runtime_parity(c, E, 333, true, g, stream.get());
+        }
+        rt::router_config plain;  // only policies that need no input: every training input is neutral scratch
+        plain.gating = gating;
+        plain.selection = selection;
+        plain.top_k = 2;
+        plain.groups = 8;
+        plain.top_groups = 4;
+        plain.load_balance.coefficient = 0.5f;
+        plain.z_loss.coefficient = 0.02f;
+        check_runtime_parity(plain, E, 1000, false, g, stream.get());
+      }
+    }
+  }
+}
+
+GPU_TEST_CASE("runtime admission: runtime::cuda::admit equals runtime::admit bit for bit") {
+  std::mt19937 g(2028);
+  stream_guard stream;
+  rt::router_config c;
+  c.top_k = 4;
+  std::vector<rt::admission_config> policies(1);  // dropless
+  for (const auto affinity : {rt::affinity_kind::position, rt::affinity_kind::probability, rt::affinity_kind::logit,
+                              rt::affinity_kind::cosine}) {
+    rt::admission_config a;
+    a.dropless = false;
+    a.affinity = affinity;
+    a.capacity_factor = 1.1;
+    if (affinity == rt::affinity_kind::cosine) a.threshold = 0.0f;
+    policies.push_back(a);
+    if (affinity != rt::affinity_kind::position) {
+      a.overflow = rt::overflow_kind::reroute;
+      policies.push_back(a);
+    }
+  }
+  for (const auto gating : {rt::gating_kind::softmax, rt::gating_kind::sigmoid}) {
+    c.gating = gating;
+    for (const auto& a : policies) check_runtime_admission(c, a, 64, 2000, g, stream.get());
+  }
+}
+#endif  // MOE_ROUTE_TEST_CUDA_RUNTIME

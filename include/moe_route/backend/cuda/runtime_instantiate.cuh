@@ -1,0 +1,29 @@
+// moe_route: spreading the CUDA runtime-router instantiations
+// (backend/cuda/runtime.cuh) over translation units, as runtime_instantiate.hpp
+// does for the CPU calls. Include this header where runtime::cuda's calls are
+// made: it declares the per-gating instantiations extern. Then compile, each
+// in its own .cu,
+//   #include <moe_route/backend/cuda/runtime_instantiate.cuh>
+//   MOE_ROUTE_CUDA_RUNTIME_INSTANTIATE(, moe_route::gating::softmax)
+// and likewise for sigmoid, sqrt_softplus and softmax_after_topk.
+#pragma once
+
+#include "runtime.cuh"
+
+#define MOE_ROUTE_CUDA_RUNTIME_INSTANTIATE(PREFIX, GATING)                                                  \
+  PREFIX template void moe_route::runtime::cuda::route_with<GATING>(                                        \
+      const router_config&, const route_inputs<float>&, const route_outputs&, void*, std::size_t,          \
+      cudaStream_t);                                                                                        \
+  PREFIX template void moe_route::runtime::cuda::backward_with<GATING>(                                     \
+      const router_config&, const route_inputs<float>&, const backward_args&, void*, std::size_t,          \
+      cudaStream_t);                                                                                        \
+  PREFIX template std::size_t moe_route::runtime::cuda::admit_workspace_bytes_with<GATING>(                 \
+      const router_config&, const admission_config&, std::int64_t, int, int);                              \
+  PREFIX template void moe_route::runtime::cuda::admit_with<GATING>(                                        \
+      const router_config&, const admission_config&, const admission_inputs<float>&,                       \
+      const admission_outputs&, void*, std::size_t, cudaStream_t);
+
+MOE_ROUTE_CUDA_RUNTIME_INSTANTIATE(extern, moe_route::gating::softmax)
+MOE_ROUTE_CUDA_RUNTIME_INSTANTIATE(extern, moe_route::gating::sigmoid)
+MOE_ROUTE_CUDA_RUNTIME_INSTANTIATE(extern, moe_route::gating::sqrt_softplus)
+MOE_ROUTE_CUDA_RUNTIME_INSTANTIATE(extern, moe_route::gating::softmax_after_topk)
