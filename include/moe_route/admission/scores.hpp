@@ -41,13 +41,21 @@ inline constexpr bool gate_input_needs_row = Gating::shape == gating::kind::row_
 template <class Gating>
 inline constexpr bool probability_needs_row = Gating::shape != gating::kind::elementwise;
 
+// The row-softmax score of expert e from its term (gating::softmax::term(v_e,
+// max), which softmax_row_stats writes into `terms`): the canonical
+// div(exp(v - max), sum), 0 if sum is 0. A caller holding the terms gets the
+// same bits without a second exp.
+MOE_ROUTE_HD float softmax_score_from_term(float term, const row_stats& st) {
+  return st.sum > 0.0f ? moe_route::detail::div(term, st.sum) : 0.0f;
+}
+
 // The value the router's detail::gate_weights consumes for expert e: the score
 // s_e (softmax: div(exp(v - max), sum), 0 if sum is 0; elementwise: the
 // gating's score), or for softmax_after_topk the sanitised logit itself.
 template <class Gating>
 MOE_ROUTE_HD float gate_input(float v, const row_stats& st) {
   if constexpr (Gating::shape == gating::kind::row_softmax)
-    return st.sum > 0.0f ? moe_route::detail::div(Gating::term(v, st.max), st.sum) : 0.0f;
+    return softmax_score_from_term(Gating::term(v, st.max), st);
   else if constexpr (Gating::shape == gating::kind::elementwise)
     return Gating::score(v);
   else
@@ -61,7 +69,7 @@ MOE_ROUTE_HD float probability_score(float v, const row_stats& st) {
   if constexpr (Gating::shape == gating::kind::elementwise)
     return Gating::score(v);
   else
-    return st.sum > 0.0f ? moe_route::detail::div(gating::softmax::term(v, st.max), st.sum) : 0.0f;
+    return softmax_score_from_term(gating::softmax::term(v, st.max), st);
 }
 
 // a(t, e) from the sanitised logit v = v_{t,e}, the row statistics (probability

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "../../admission/admission.hpp"
@@ -49,7 +50,7 @@ expert_choice_report expert_choice(const selection::expert_choice& p, const expe
     for (std::int64_t t = begin; t < end; ++t) {
       ad::sanitized_row(in.logits + t * e_count, e_count, buf.v.data());
       const row_stats st = softmax_row_stats(buf.v.data(), e_count, buf.t.data());
-      for (int e = 0; e < e_count; ++e) score[t * e_count + e] = gate_input<gating::softmax>(buf.v[e], st);
+      for (int e = 0; e < e_count; ++e) score[t * e_count + e] = softmax_score_from_term(buf.t[e], st);
     }
   });
 
@@ -63,26 +64,63 @@ expert_choice_report expert_choice(const selection::expert_choice& p, const expe
     for (std::int64_t t = 0; t < n_tokens; ++t) members[cursor[group_of(t)]++] = static_cast<std::int32_t>(t);
   }
 
-  // Every (group, expert) keeps its top C_e tokens.
+  // Every (group, expert) keeps its top C_e tokens by rank_key. The scores of
+  // 16 experts at a time are copied into expert-major columns in group order
+  // (reading each token's row once), so an expert's candidates are contiguous.
+  // A histogram of the keys' top 12 bits (the score's sign, exponent and 3
+  // mantissa bits) finds the bucket that holds the C-th largest key: every
+  // candidate in a higher bucket is kept, and only that bucket is ranked, by
+  // nth_element on the full keys (a group of at most 4096 tokens is ranked
+  // whole). The kept set is exactly the top C by key.
   std::vector<unsigned char> chosen(static_cast<std::size_t>(pairs), 0);
-  const int e_threads = ad::resolve_threads(ex, e_count, 8);
-  ad::parallel_blocks(e_count, e_threads, [&](std::int64_t begin, std::int64_t end, int) {
-    std::vector<std::uint64_t> keys;
-    for (int g = 0; g < groups; ++g) {
-      const std::int64_t size = group_start[g + 1] - group_start[g];
-      if (size == 0) continue;
-      const std::int64_t factor_cap = capacity_from_factor(p.capacity_factor, p.min_capacity, size, p.top_k, e_count);
-      for (std::int64_t e = begin; e < end; ++e) {
-        const std::int64_t cap = std::min(size, in.capacity != nullptr ? in.capacity[e] : factor_cap);
-        if (cap <= 0) continue;
-        keys.resize(static_cast<std::size_t>(size));
-        for (std::int64_t i = 0; i < size; ++i) {
-          const std::int64_t t = members[group_start[g] + i];
-          keys[i] = rank_key(score[t * e_count + e], t);
+  constexpr int chunk = 16;
+  const std::int64_t chunks = (e_count + chunk - 1) / chunk;
+  ad::parallel_blocks(chunks, ad::resolve_threads(ex, chunks, 1), [&](std::int64_t begin, std::int64_t end, int) {
+    std::vector<float> column(static_cast<std::size_t>(n_tokens) * chunk);
+    std::vector<std::int32_t> histogram(4096);
+    std::vector<std::uint64_t> boundary;
+    for (std::int64_t c = begin; c < end; ++c) {
+      const int e0 = static_cast<int>(c) * chunk, e1 = std::min(e_count, e0 + chunk);
+      for (std::int64_t i = 0; i < n_tokens; ++i) {
+        const float* row = score.data() + static_cast<std::int64_t>(members[i]) * e_count;
+        for (int e = e0; e < e1; ++e) column[static_cast<std::size_t>((e - e0) * n_tokens + i)] = row[e];
+      }
+      for (int e = e0; e < e1; ++e) {
+        const float* col = column.data() + static_cast<std::int64_t>(e - e0) * n_tokens;
+        auto take = [&](std::int64_t t) { chosen[t * e_count + e] = 1; };
+        for (int g = 0; g < groups; ++g) {
+          const std::int64_t first = group_start[g], size = group_start[g + 1] - first;
+          if (size == 0) continue;
+          const std::int64_t cap = std::min(
+              size, in.capacity != nullptr ? in.capacity[e]
+                                           : capacity_from_factor(p.capacity_factor, p.min_capacity, size, p.top_k, e_count));
+          if (cap <= 0) continue;
+          const std::int32_t* who = members.data() + first;
+          const float* s = col + first;
+          if (cap == size) {
+            for (std::int64_t i = 0; i < size; ++i) take(who[i]);
+            continue;
+          }
+          boundary.clear();
+          std::int64_t above = 0;  // candidates kept without ranking
+          if (size <= static_cast<std::int64_t>(histogram.size())) {  // small group: rank every candidate
+            for (std::int64_t i = 0; i < size; ++i) boundary.push_back(rank_key(s[i], who[i]));
+          } else {
+            std::fill(histogram.begin(), histogram.end(), 0);
+            for (std::int64_t i = 0; i < size; ++i) ++histogram[rank_key(s[i], 0) >> 52];
+            int bucket = 4095;
+            while (above + histogram[bucket] < cap) above += histogram[bucket--];
+            for (std::int64_t i = 0; i < size; ++i) {
+              const std::uint64_t key = rank_key(s[i], who[i]);
+              const int b = static_cast<int>(key >> 52);
+              if (b > bucket) take(who[i]);
+              else if (b == bucket) boundary.push_back(key);
+            }
+          }
+          const auto rest = static_cast<std::ptrdiff_t>(cap - above);  // in [1, boundary.size()]
+          std::nth_element(boundary.begin(), boundary.begin() + rest - 1, boundary.end(), std::greater<std::uint64_t>());
+          for (std::ptrdiff_t j = 0; j < rest; ++j) take(num::packed_expert(boundary[j]));
         }
-        if (cap < size)
-          std::nth_element(keys.begin(), keys.begin() + cap, keys.end(), [](std::uint64_t a, std::uint64_t b) { return a > b; });
-        for (std::int64_t i = 0; i < cap; ++i) chosen[static_cast<std::int64_t>(num::packed_expert(keys[i])) * e_count + e] = 1;
       }
     }
   });

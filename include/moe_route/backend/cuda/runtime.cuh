@@ -17,9 +17,11 @@
 // again: give it scratch of the same size. Errors in the configuration or the
 // arguments throw moe_route::error on the host before anything is launched.
 //
-// route_with / backward_with / admit_with<Gating> instantiate one gating, so
-// a framework can spread the instantiations over translation units
-// (runtime_instantiate.cuh).
+// This header has the per-gating calls route_with / backward_with /
+// admit_with / admit_workspace_bytes_with<Gating>; route, backward, admit and
+// admit_workspace_bytes, which choose the gating at run time and so
+// instantiate every router of every gating (minutes of nvcc), come with
+// runtime_instantiate.cuh, which declares those instantiations extern.
 #pragma once
 
 #include <cstddef>
@@ -85,7 +87,7 @@ inline route_inputs<float> complete(const router_config& c, route_inputs<float> 
   const auto n = static_cast<std::size_t>(in.num_tokens > 0 ? in.num_tokens : 0);
   const auto e = static_cast<std::size_t>(in.num_experts);
   const float one_over_e = 1.0f / static_cast<float>(in.num_experts);
-  auto uniform = [&](std::ptrdiff_t at, std::size_t count) {
+  auto uniform = [&](std::ptrdiff_t at, std::size_t count) {  // thrust throws on a failed launch
     auto* p = reinterpret_cast<float*>(base + at);
     thrust::fill_n(thrust::cuda::par_nosync.on(stream), p, count, one_over_e);
     return p;
@@ -112,7 +114,6 @@ inline route_inputs<float> complete(const router_config& c, route_inputs<float> 
     in.expert_rank = reinterpret_cast<const std::int32_t*>(base + l.expert_rank);
     in.rank = 0;
   }
-  check(cudaGetLastError(), "writing the neutral inputs");
   return in;
 }
 
@@ -158,31 +159,6 @@ void admit_with(const router_config& c, const admission_config& a, const admissi
                 const admission_outputs& out, void* workspace, std::size_t workspace_bytes, cudaStream_t stream = 0) {
   const auto r = admission_router<Gating>(c);
   visit_admission(a, [&](const auto& p) { moe_route::cuda::admit(r, p, in, out, workspace, workspace_bytes, stream); });
-}
-
-inline void route(const router_config& c, const route_inputs<float>& in, const route_outputs& out, void* scratch,
-                  std::size_t scratch_bytes, cudaStream_t stream = 0) {
-  runtime::detail::by_gating(c.gating, [&](auto g) { route_with<decltype(g)>(c, in, out, scratch, scratch_bytes, stream); });
-}
-
-inline void backward(const router_config& c, const route_inputs<float>& in, const backward_args& args, void* scratch,
-                     std::size_t scratch_bytes, cudaStream_t stream = 0) {
-  runtime::detail::by_gating(c.gating,
-                             [&](auto g) { backward_with<decltype(g)>(c, in, args, scratch, scratch_bytes, stream); });
-}
-
-inline std::size_t admit_workspace_bytes(const router_config& c, const admission_config& a, std::int64_t num_tokens,
-                                         int num_experts, int num_groups = 1) {
-  return runtime::detail::by_gating(c.gating, [&](auto g) {
-    return admit_workspace_bytes_with<decltype(g)>(c, a, num_tokens, num_experts, num_groups);
-  });
-}
-
-inline void admit(const router_config& c, const admission_config& a, const admission_inputs<float>& in,
-                  const admission_outputs& out, void* workspace, std::size_t workspace_bytes, cudaStream_t stream = 0) {
-  runtime::detail::by_gating(c.gating, [&](auto g) {
-    admit_with<decltype(g)>(c, a, in, out, workspace, workspace_bytes, stream);
-  });
 }
 
 }  // namespace moe_route::runtime::cuda
