@@ -9,14 +9,15 @@ reused, so an interrupted job resumes where it stopped.
     studies.py --moe-lm build/run/examples/moe_lm/moe_lm --out build/run/studies           # reduced grids
     studies.py --moe-lm ... --out ... --full                                               # full grids
 
-Reduced (about 5 minutes on 2 cores after the build): RPB with SFT, LBL, the four soft anchors (RPB,
+Reduced (about 3 minutes on 2 cores after the build): RPB with SFT, LBL, the four soft anchors (RPB,
 Router-L2, KL-to-base, logit-L2) and RPB-hard; CIPHER with vanilla, strict, reroute, LocMoE tau 0.01,
 expert choice and the fixed router on 4 expert-parallel ranks; seeds 0 1 2, 150 post-training steps on
-arithmetic. --full adds z-loss and the shuffled priors (within-soft, within-hard, global-hard), RPB and
-within-soft at beta 0.3, LocMoE at five more thresholds, the locality loss alone and the capacity
-baselines; then a base for each other router preset of the driver (Moonlight's sigmoid with expert bias,
-DeepSeek-V3's group-limited, DeepSeek-V4's sqrt-softplus, Mixtral's softmax after top-k; the bias
-presets pretrain aux-loss-free) and the reduced RPB grid on each (docs/results.md).
+arithmetic. --full adds z-loss and the shuffled priors (within-soft, within-hard, global-hard), the
+whole RPB grid again on the code domain, RPB and within-soft at beta 0.3, LocMoE at five more
+thresholds, the locality loss alone and the capacity baselines; then a base for each other router
+preset of the driver (Moonlight's sigmoid with expert bias, DeepSeek-V3's group-limited, DeepSeek-V4's
+sqrt-softplus, Mixtral's softmax after top-k; the bias presets pretrain aux-loss-free) and the reduced
+RPB grid on each (docs/results.md).
 """
 
 import argparse
@@ -55,6 +56,9 @@ def main():
     cipher = study_cipher.study(study_cipher.parser().parse_args(common + ["--out", os.path.join(a.out, "cipher")]))
     tables = [rpb, cipher]
     if a.full:
+        print("\n== RPB study on the code domain ==", flush=True)
+        tables.append(study_rpb.study(study_rpb.parser().parse_args(
+            common + ["--out", os.path.join(a.out, "rpb_code"), "--domains", "code"])))
         print("\n== RPB and within-soft at beta 0.3 ==", flush=True)
         tables.append(study_rpb.study(study_rpb.parser().parse_args(
             ["--moe-lm", a.moe_lm, "--base", base, "--jobs", str(a.jobs), "--out", os.path.join(a.out, "rpb_beta0.3"),
