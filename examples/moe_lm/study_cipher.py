@@ -25,12 +25,10 @@ import argparse
 import csv
 import json
 import os
-import shutil
 import subprocess
-import sys
 import time
 
-from study_common import Job, ensure_base, mean_sd, run_jobs, table_text
+from study_common import Job, ensure_base, gnuplot_setup, mean_sd, run_jobs, table_text
 
 DOMAINS = ["arithmetic", "code", "words"]
 REDUCED_TAUS = [0.01]  # the paper's choice
@@ -87,14 +85,10 @@ def concentration(probe):
 
 def plot(out, domain, conditions, seed, runs):
     """Executed load per expert (seed `seed`), experts in vanilla's descending order, one panel per layer."""
-    gnuplot = shutil.which("gnuplot")
-    if gnuplot is None:
-        print("study_cipher: gnuplot not found (gnuplot-nox); no plots", file=sys.stderr)
+    setup = gnuplot_setup(out, "1300,500", "study_cipher")
+    if setup is None:
         return []
-    pdir = os.path.join(out, "plots")
-    os.makedirs(pdir, exist_ok=True)
-    terminal = "pngcairo noenhanced size 1300,500" if subprocess.run(
-        [gnuplot, "-e", "set terminal pngcairo"], capture_output=True).returncode == 0 else "png noenhanced size 1300,500"
+    gnuplot, terminal, pdir = setup
     layers = len(runs["vanilla"]["train"]["layers"])
     panels = []
     for l in range(layers):

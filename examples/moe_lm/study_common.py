@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -132,3 +133,16 @@ def table_text(head, rows, columns, width):
         lines.append(f"{name:<{len(head)}}" + "".join(
             f"{m[k][0]:>{left}.3f}±{m[k][1]:<{width - left - 1}.3f}" if k in m else " " * width for k, _ in columns))
     return "\n".join(lines)
+
+
+def gnuplot_setup(out, size, study):
+    """(gnuplot, terminal, plot folder) for a study's PNG plots, or None (with a message) without gnuplot.
+    noenhanced: condition names such as router_l2 are text, not subscripts."""
+    gnuplot = shutil.which("gnuplot")
+    if gnuplot is None:
+        print(f"{study}: gnuplot not found (gnuplot-nox); no plots", file=sys.stderr)
+        return None
+    pdir = os.path.join(out, "plots")
+    os.makedirs(pdir, exist_ok=True)
+    cairo = subprocess.run([gnuplot, "-e", "set terminal pngcairo"], capture_output=True).returncode == 0
+    return gnuplot, f"{'pngcairo' if cairo else 'png'} noenhanced size {size}", pdir

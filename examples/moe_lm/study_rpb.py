@@ -19,12 +19,10 @@ import argparse
 import csv
 import json
 import os
-import shutil
 import subprocess
-import sys
 import time
 
-from study_common import Job, ensure_base, mean_sd, run_jobs, table_text
+from study_common import Job, ensure_base, gnuplot_setup, mean_sd, run_jobs, table_text
 
 ALL_CONDITIONS = ["sft", "lbl", "rpb", "router_l2", "kl_to_base", "logit_l2", "z_loss", "rpb_hard",
                   "within_soft", "within_hard", "global_hard"]
@@ -50,15 +48,10 @@ def base_row(base_eval, domain):
 
 def plot(out, domains, conditions, seeds, rows):
     """Training curves (seed 0, window-mean answer loss) and retention against accuracy, with gnuplot."""
-    gnuplot = shutil.which("gnuplot")
-    if gnuplot is None:
-        print("study_rpb: gnuplot not found (gnuplot-nox); no plots", file=sys.stderr)
+    setup = gnuplot_setup(out, "900,600", "study_rpb")
+    if setup is None:
         return []
-    pdir = os.path.join(out, "plots")
-    os.makedirs(pdir, exist_ok=True)
-    # noenhanced: condition names such as router_l2 are text, not subscripts.
-    terminal = "pngcairo noenhanced size 900,600" if subprocess.run(
-        [gnuplot, "-e", "set terminal pngcairo"], capture_output=True).returncode == 0 else "png noenhanced size 900,600"
+    gnuplot, terminal, pdir = setup
     written = []
     for domain in domains:
         series = []
