@@ -105,9 +105,9 @@ class _RouteFunction(torch.autograd.Function):
     def backward(ctx, grad_gates, grad_values):
         z, indices, admitted, workspace = ctx.saved_tensors
         if grad_gates is None:
-            grad_gates = torch.zeros(indices.shape, dtype=torch.float32)
+            grad_gates = torch.zeros(indices.shape, dtype=torch.float32, device=z.device)
         if grad_values is None:
-            grad_values = torch.zeros(len(PENALTIES), dtype=torch.float32)
+            grad_values = torch.zeros(len(PENALTIES), dtype=torch.float32, device=z.device)
         grad = _C.route_backward(z, ctx.config, ctx.inputs, ctx.training, ctx.threads, indices,
                                  grad_gates.to(torch.float32), grad_values.to(torch.float32), workspace,
                                  admitted, ctx.renormalize)
@@ -217,7 +217,7 @@ class _RouterL2Function(torch.autograd.Function):
         value, grads = _C.router_l2([w.detach() for w in weights], [b.detach() for b in base], float(coefficient))
         ctx.grads = grads
         ctx.layers = layers
-        return torch.tensor(value, dtype=torch.float32)
+        return torch.as_tensor(value, dtype=torch.float32, device=weights[0].device)
 
     @staticmethod
     @once_differentiable

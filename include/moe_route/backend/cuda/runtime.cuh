@@ -1,27 +1,25 @@
-// moe_route: routers configured at run time (runtime.hpp) on the CUDA backend.
+// moe_route: the per-gating CUDA calls of the routers configured at run time
+// (runtime.hpp), the nvcc side of runtime_cuda.hpp:
 //
-//   std::size_t runtime::cuda::neutral_bytes(config, inputs)
-//   void runtime::cuda::route(config, inputs, outputs, scratch, scratch_bytes, stream)
-//   void runtime::cuda::backward(config, inputs, backward_args, scratch, scratch_bytes, stream)
-//   std::size_t runtime::cuda::admit_workspace_bytes(config, admission, num_tokens, num_experts, num_groups)
-//   void runtime::cuda::admit(config, admission, inputs, outputs, workspace, workspace_bytes, stream)
+//   void runtime::cuda::route_with<Gating>(config, inputs, outputs, scratch, scratch_bytes, stream)
+//   void runtime::cuda::backward_with<Gating>(config, inputs, backward_args, scratch, scratch_bytes, stream)
+//   std::size_t runtime::cuda::admit_workspace_bytes_with<Gating>(config, admission, num_tokens, num_experts, num_groups)
+//   void runtime::cuda::admit_with<Gating>(config, admission, inputs, outputs, workspace, workspace_bytes, stream)
 //
 // The same calls as runtime::route / backward / admit, with device pointers
-// and a stream; they compute what cuda::route / backward / admit compute for
-// the router or policy the configuration describes, bit for bit what the CPU
-// calls give. A runtime router carries every penalty, so the policy inputs a
-// call leaves null get neutral values (runtime::detail::find_missing) written
-// into caller-owned device scratch of neutral_bytes() bytes, stream-ordered
+// and a stream, for the router or policy the configuration describes, with
+// the gating fixed at compile time; they give the CPU calls' bits. A runtime
+// router carries every penalty, so the policy inputs a call leaves null get
+// neutral values (runtime::detail::find_missing) written into caller-owned
+// device scratch of runtime::cuda::neutral_bytes() bytes, stream-ordered
 // (memsets and one fill), so a framework allocates it with its own allocator
 // as it does the training and admission workspaces. backward writes them
 // again: give it scratch of the same size. Errors in the configuration or the
 // arguments throw moe_route::error on the host before anything is launched.
 //
-// This header has the per-gating calls route_with / backward_with /
-// admit_with / admit_workspace_bytes_with<Gating>; route, backward, admit and
-// admit_workspace_bytes, which choose the gating at run time and so
-// instantiate every router of every gating (minutes of nvcc), come with
-// runtime_instantiate.cuh, which declares those instantiations extern.
+// The calls that choose the gating at run time (runtime::cuda::route, ...,
+// runtime_cuda.hpp) instantiate every router of every gating, minutes of
+// nvcc: they are compiled once, in instances/cuda_*.cu (runtime_instantiate.cuh).
 #pragma once
 
 #include <cstddef>
@@ -33,40 +31,13 @@
 #include <thrust/fill.h>
 
 #include "../../runtime.hpp"
+#include "../../runtime_cuda.hpp"
 #include "admission.cuh"
 #include "route.cuh"
 
 namespace moe_route::runtime::cuda {
 
 namespace detail {
-
-// The neutral inputs' places in the scratch: each region 256-byte aligned,
-// present only when find_missing asks for it (an offset of -1 otherwise).
-struct neutral_layout {
-  std::ptrdiff_t token_prior_row = -1, sequence_ids = -1, prior_bias = -1, prior_probs = -1, load_fractions = -1,
-                 expert_rank = -1;
-  std::size_t bytes = 0;
-};
-
-inline neutral_layout layout_of(const runtime::detail::missing_inputs& m, std::int64_t num_tokens, int num_experts) {
-  neutral_layout l;
-  const auto n = static_cast<std::size_t>(num_tokens > 0 ? num_tokens : 0);
-  const auto e = static_cast<std::size_t>(num_experts > 0 ? num_experts : 0);
-  const auto rows = static_cast<std::size_t>(m.prior_rows > 0 ? m.prior_rows : 0);
-  auto take = [&](bool wanted, std::size_t size) -> std::ptrdiff_t {
-    if (!wanted) return -1;
-    const auto at = static_cast<std::ptrdiff_t>(l.bytes);
-    l.bytes += (size + 255) / 256 * 256;
-    return at;
-  };
-  l.token_prior_row = take(m.token_prior_row, n * sizeof(std::int32_t));
-  l.sequence_ids = take(m.sequence_ids, n * sizeof(std::int32_t));
-  l.prior_bias = take(m.prior_bias, rows * e * sizeof(float));
-  l.prior_probs = take(m.prior_probs, rows * e * sizeof(float));
-  l.load_fractions = take(m.load_fractions, e * sizeof(float));
-  l.expert_rank = take(m.expert_rank, e * sizeof(std::int32_t));
-  return l;
-}
 
 inline void check(cudaError_t status, const char* what) {
   if (status != cudaSuccess)
@@ -118,12 +89,6 @@ inline route_inputs<float> complete(const router_config& c, route_inputs<float> 
 }
 
 }  // namespace detail
-
-// Device scratch bytes route/backward need for the neutral values of the
-// inputs `in` leaves null (0 when it gives every input the router reads).
-inline std::size_t neutral_bytes(const router_config& c, const route_inputs<float>& in) {
-  return detail::layout_of(runtime::detail::find_missing(c, in), in.num_tokens, in.num_experts).bytes;
-}
 
 // cuda::route with the router of `c`. out.penalty_values is a device array
 // of num_penalties doubles (penalty_names order), out.workspace device memory
