@@ -7,10 +7,12 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <regex>
 #include <stdexcept>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 
 #include "analysis.hpp"
 #include "conditions.hpp"
@@ -173,6 +175,10 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "torch threads");
   app.add_option("--json", json_path, "also write the result JSON here");
   app.add_option("--log-every", log_every, "progress line every N steps (0: none)");
+  std::string device_arg = "cpu";
+  app.add_option("--device", device_arg,
+                 "where the model runs: cpu, or cuda[:N] (the routers then run on the library's CUDA backend; "
+                 "needs a build against a CUDA LibTorch)");
 
   // pretrain
   auto* pre = app.add_subcommand("pretrain", "pretrain a base model on the mixture of every domain");
@@ -272,6 +278,15 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(threads);
+    if (!std::regex_match(device_arg, std::regex("cpu|cuda(:[0-9]+)?")))
+      throw std::invalid_argument("--device must be cpu, cuda or cuda:N, got \"" + device_arg + "\"");
+    const torch::Device device(device_arg);
+    if (device.is_cuda() && !cuda_backend_built())
+      throw std::invalid_argument("--device " + device_arg +
+                                  ": this moe_lm was built without the CUDA backend (build it against a CUDA LibTorch "
+                                  "with -DMOE_ROUTE_BUILD_CUDA_RUNTIME=ON)");
+    if (device.is_cuda() && !torch::cuda::is_available())
+      throw std::invalid_argument("--device " + device_arg + ": no CUDA device is visible");
     const auto start = std::chrono::steady_clock::now();
     if (*pre) {
       mc.gating = parse_preset(preset);
@@ -281,6 +296,7 @@ int main(int argc, char** argv) {
       const split data = load_data(pre_data, mc.max_len);
       torch::manual_seed(pre_opt.seed);
       auto m = std::make_shared<model>(mc);
+      m->to(device);
       rt::router_config r = preset_router(mc);
       r.load_balance.coefficient = pre_lbl;
       m->set_router(r);
@@ -299,6 +315,7 @@ int main(int argc, char** argv) {
             {"lr", pre_opt.lr},
             {"lbl", pre_lbl},
             {"prompt_loss", pre_opt.prompt_loss},
+            {"device", device.str()},
             {"checkpoint", out_path},
             {"train", train_json(tr, log_every)},
             {"eval", metrics_json(evaluate(*m, data.eval))},
@@ -307,6 +324,7 @@ int main(int argc, char** argv) {
            json_path);
     } else if (*post) {
       auto m = load_model(base_path);
+      m->to(device);
       const model_config& c = m->config();
       const split data = load_data(post_data, c.max_len);
       const domain dom = parse_domain(domain_arg);
@@ -341,7 +359,7 @@ int main(int argc, char** argv) {
                      {"condition", condition_name(cond)}, {"seed", post_opt.seed},
                      {"admission", admission_json(admission_arg, adm)}, {"pad_experts", pad_experts},
                      {"fixed_router", fixed_router}, {"expert_choice", expert_choice},
-                     {"groups", post_opt.admission_groups}, {"locality", locality},
+                     {"groups", post_opt.admission_groups}, {"locality", locality}, {"device", device.str()},
                      {"model", json::parse(to_json(c))}};
       if (eval_base) {
         const auto base_metrics = evaluate(*m, data.eval);
@@ -390,6 +408,7 @@ int main(int argc, char** argv) {
       emit(result, json_path);
     } else if (*ev) {
       auto m = load_model(eval_path);
+      m->to(device);
       if (!prompt.empty()) {
         std::cout << generate(*m, prompt, static_cast<int>(m->config().max_len)) << std::endl;
         return 0;

@@ -14,6 +14,12 @@
 
 #include "data.hpp"
 #include <moe_route/runtime_instantiate.hpp>
+#ifdef MOE_LM_WITH_CUDA
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/cuda.h>
+
+#include <moe_route/runtime_cuda.hpp>
+#endif
 
 namespace moe_lm {
 
@@ -111,6 +117,53 @@ rt::router_config preset_router(const model_config& c) {
 
 namespace {
 
+// The library's calls on the logits' device. CPU tensors take the CPU
+// backend; CUDA tensors take runtime::cuda (runtime_cuda.hpp) on torch's
+// current stream, with every buffer from torch's allocator. Every tensor a
+// call reads or writes lives on that device.
+bool on_cuda(const torch::Tensor& t) {
+  if (!t.is_cuda()) return false;
+#ifndef MOE_LM_WITH_CUDA
+  throw std::invalid_argument(
+      "moe_lm: a CUDA tensor reached the router, but this build has no CUDA backend (build against a CUDA "
+      "LibTorch with -DMOE_ROUTE_BUILD_CUDA_RUNTIME=ON)");
+#else
+  return true;
+#endif
+}
+
+#ifdef MOE_LM_WITH_CUDA
+rt::cuda::stream_t current_stream(const torch::Device& d) {
+  return static_cast<rt::cuda::stream_t>(c10::impl::getDeviceGuardImpl(d.type())->getStream(d).native_handle());
+}
+
+torch::Tensor device_bytes(std::size_t bytes, const torch::Device& d) {
+  return torch::empty({static_cast<std::int64_t>(bytes)}, torch::TensorOptions().dtype(torch::kUInt8).device(d));
+}
+#endif
+
+// Waits for the work queued on t's device (wall-clock timing of device work).
+void synchronize(const torch::Tensor& t) {
+#ifdef MOE_LM_WITH_CUDA
+  if (t.is_cuda()) torch::cuda::synchronize(t.device().index());
+#else
+  (void)t;
+#endif
+}
+
+// A host vector as a tensor on `device`: on the CPU a view of the vector's
+// memory (the vector must outlive it), elsewhere a copy.
+template <class T>
+torch::Tensor on_device(const std::vector<T>& v, std::vector<std::int64_t> shape, torch::ScalarType dtype,
+                        const torch::Device& device) {
+  const auto t = torch::from_blob(const_cast<T*>(v.data()), shape, dtype);
+  return device.is_cpu() ? t : t.to(device);
+}
+
+torch::Tensor on_device(const std::vector<std::int32_t>& v, const torch::Device& device) {
+  return on_device(v, {static_cast<std::int64_t>(v.size())}, torch::kInt32, device);
+}
+
 // One library call of the routing op: the tokens [begin, end) of the batch.
 // With the locality penalty on, a segment is one admission group, routed as
 // that expert-parallel rank's micro-batch (the penalty's D_c is per rank);
@@ -119,7 +172,8 @@ struct route_segment {
   std::int64_t begin = 0, end = 0;
   moe_route::route_inputs<float> in;       // points into the route_state and this segment
   std::vector<std::int32_t> sequence_ids;  // renumbered from 0 within the segment
-  std::vector<unsigned char> workspace;    // filled by the forward, read by the backward
+  torch::Tensor sequence_ids_on_device;    // of sequence_ids
+  torch::Tensor workspace;                 // uint8: filled by the forward, read by the backward
 };
 
 // Everything the backward needs besides the logits: the forward's inputs (the
@@ -128,8 +182,8 @@ struct route_segment {
 struct route_state : torch::CustomClassHolder {
   route_call call;
   torch::Tensor logits;  // fp32, contiguous, detached
-  std::vector<float> expert_bias;
-  std::vector<std::int32_t> expert_rank;  // locality: expert j lives on rank j * R / E
+  torch::Tensor expert_bias, prior_bias, prior_probs, prior_rows, expert_rank, group_ids;  // on the logits' device
+  std::vector<std::int32_t> expert_rank_host;  // locality: expert j lives on rank j * R / E
   std::vector<route_segment> segments;
   torch::Tensor hidden_norms, weight_norms;  // cosine admission only (no gradient flows to them)
   torch::Tensor routed, executed;  // int32 [N x K]
@@ -145,7 +199,7 @@ bool per_rank(const route_call& call) {
 std::vector<route_segment> segments_of(const route_call& call, std::int64_t n) {
   std::vector<route_segment> segs;
   if (!per_rank(call)) {
-    segs.push_back({0, n, {}, {}, {}});
+    segs.push_back({0, n, {}, {}, {}, {}});
     return segs;
   }
   if (call.group_ids.empty())
@@ -157,7 +211,7 @@ std::vector<route_segment> segments_of(const route_call& call, std::int64_t n) {
       for (const auto& s : segs)
         if (call.group_ids[static_cast<std::size_t>(s.begin)] == g)
           throw std::invalid_argument("route: under the locality penalty each group's tokens must be contiguous");
-      segs.push_back({t, t, {}, {}, {}});
+      segs.push_back({t, t, {}, {}, {}, {}});
     }
     segs.back().end = t + 1;
   }
@@ -172,33 +226,44 @@ class route_function : public torch::autograd::Function<route_function> {
     const int e = static_cast<int>(logits.size(1));
     const int k = st->call.router.top_k;
     st->logits = logits.detach().to(torch::kFloat32).contiguous();
+    const torch::Device device = st->logits.device();
+    const bool cuda = on_cuda(st->logits);
+    const auto options = [&](torch::ScalarType dtype) { return torch::TensorOptions().dtype(dtype).device(device); };
     moe_route::route_inputs<float> in;
     in.logits = st->logits.data_ptr<float>();
     in.num_tokens = n;
     in.num_experts = e;
     in.mode = st->call.mode;
     if (rt::selection_uses_bias(st->call.router.selection)) {
-      if (st->call.expert_bias == nullptr) throw std::invalid_argument("route: the router's selection needs an expert bias");
-      st->expert_bias.assign(st->call.expert_bias, st->call.expert_bias + e);
-      in.expert_bias = st->expert_bias.data();
+      if (!st->call.expert_bias.defined())
+        throw std::invalid_argument("route: the router's selection needs an expert bias");
+      // A copy: the bias may be updated before the backward runs.
+      st->expert_bias = st->call.expert_bias.detach().to(device, torch::kFloat32).clone();
+      in.expert_bias = st->expert_bias.data_ptr<float>();
     }
     if (st->call.prior) {
-      in.prior_bias = st->call.prior->bias.data();
-      in.prior_probs = st->call.prior->probs.data();
-      in.prior_rows = st->call.prior->rows;
+      const auto& p = *st->call.prior;
+      st->prior_bias = on_device(p.bias, {p.rows, e}, torch::kFloat32, device);
+      st->prior_probs = on_device(p.probs, {p.rows, e}, torch::kFloat32, device);
+      in.prior_bias = st->prior_bias.data_ptr<float>();
+      in.prior_probs = st->prior_probs.data_ptr<float>();
+      in.prior_rows = p.rows;
     }
-    if (!st->call.prior_rows.empty()) in.token_prior_row = st->call.prior_rows.data();
+    if (!st->call.prior_rows.empty()) {
+      st->prior_rows = on_device(st->call.prior_rows, device);
+      in.token_prior_row = st->prior_rows.data_ptr<std::int32_t>();
+    }
 
-    const auto i32 = torch::TensorOptions().dtype(torch::kInt32);
-    st->routed = torch::empty({n, k}, i32);
-    auto gates = torch::empty({n, k}, torch::kFloat32);
-    std::vector<double> values(rt::num_penalties, 0.0);
+    st->routed = torch::empty({n, k}, options(torch::kInt32));
+    auto gates = torch::empty({n, k}, options(torch::kFloat32));
+    auto values = torch::zeros({rt::num_penalties}, options(torch::kFloat64));
     st->segments = segments_of(st->call, n);
     if (per_rank(st->call)) {
-      st->expert_rank.resize(static_cast<std::size_t>(e));
+      st->expert_rank_host.resize(static_cast<std::size_t>(e));
       for (int j = 0; j < e; ++j)
-        st->expert_rank[static_cast<std::size_t>(j)] =
+        st->expert_rank_host[static_cast<std::size_t>(j)] =
             static_cast<std::int32_t>(static_cast<std::int64_t>(j) * st->call.num_groups / e);
+      st->expert_rank = on_device(st->expert_rank_host, device);
     }
     const moe_route::cpu::execution ex{st->call.threads};
     for (auto& seg : st->segments) {
@@ -210,30 +275,40 @@ class route_function : public torch::autograd::Function<route_function> {
         const std::int32_t first = st->call.sequence_ids[static_cast<std::size_t>(seg.begin)];
         for (std::int64_t t = seg.begin; t < seg.end; ++t)
           seg.sequence_ids.push_back(st->call.sequence_ids[static_cast<std::size_t>(t)] - first);
-        seg.in.sequence_ids = seg.sequence_ids.data();
+        seg.sequence_ids_on_device = on_device(seg.sequence_ids, device);
+        seg.in.sequence_ids = seg.sequence_ids_on_device.data_ptr<std::int32_t>();
         seg.in.num_sequences = seg.sequence_ids.back() + 1;
       }
       if (per_rank(st->call)) {
-        seg.in.expert_rank = st->expert_rank.data();
+        seg.in.expert_rank = st->expert_rank.data_ptr<std::int32_t>();
         seg.in.rank = st->call.group_ids[static_cast<std::size_t>(seg.begin)];
       }
-      std::vector<double> seg_values(rt::num_penalties, 0.0);
-      seg.workspace.resize(rt::workspace_bytes(st->call.router, seg.in.num_tokens, e, std::max(seg.in.num_sequences, 1)));
+      auto seg_values = torch::zeros({rt::num_penalties}, options(torch::kFloat64));
+      seg.workspace = torch::empty({static_cast<std::int64_t>(rt::workspace_bytes(
+                                       st->call.router, seg.in.num_tokens, e, std::max(seg.in.num_sequences, 1)))},
+                                   options(torch::kUInt8));
       moe_route::route_outputs out;
       out.indices = st->routed.data_ptr<std::int32_t>() + seg.begin * k;
       out.gates = gates.data_ptr<float>() + seg.begin * k;
-      out.penalty_values = seg_values.data();
-      out.workspace = seg.workspace.data();
-      out.workspace_bytes = seg.workspace.size();
-      rt::route(st->call.router, seg.in, out, ex);
+      out.penalty_values = seg_values.data_ptr<double>();
+      out.workspace = seg.workspace.data_ptr();
+      out.workspace_bytes = static_cast<std::size_t>(seg.workspace.numel());
+      if (cuda) {
+#ifdef MOE_LM_WITH_CUDA
+        const std::size_t scratch_bytes = rt::cuda::neutral_bytes(st->call.router, seg.in);
+        const auto scratch = device_bytes(scratch_bytes, device);
+        rt::cuda::route(st->call.router, seg.in, out, scratch.data_ptr(), scratch_bytes, current_stream(device));
+#endif
+      } else {
+        rt::route(st->call.router, seg.in, out, ex);
+      }
       // The penalties of a per-rank call average over the ranks, as data-parallel gradient averaging does.
-      for (int i = 0; i < rt::num_penalties; ++i)
-        values[static_cast<std::size_t>(i)] += seg_values[static_cast<std::size_t>(i)] / st->segments.size();
+      values += seg_values / static_cast<double>(st->segments.size());
     }
 
     if (st->call.admit) {
-      st->executed = torch::empty({n, k}, i32);
-      auto admitted_gates = torch::empty({n, k}, torch::kFloat32);
+      st->executed = torch::empty({n, k}, options(torch::kInt32));
+      auto admitted_gates = torch::empty({n, k}, options(torch::kFloat32));
       moe_route::admission_inputs<float> ain;
       ain.logits = in.logits;
       ain.num_tokens = n;
@@ -243,21 +318,30 @@ class route_function : public torch::autograd::Function<route_function> {
       if (st->hidden_norms.defined()) ain.hidden_norms = st->hidden_norms.data_ptr<float>();
       if (st->weight_norms.defined()) ain.weight_norms = st->weight_norms.data_ptr<float>();
       if (!st->call.group_ids.empty()) {
-        ain.group_ids = st->call.group_ids.data();
+        st->group_ids = on_device(st->call.group_ids, device);
+        ain.group_ids = st->group_ids.data_ptr<std::int32_t>();
         ain.num_groups = st->call.num_groups;
       }
       moe_route::admission_outputs aout;
       aout.indices = st->executed.data_ptr<std::int32_t>();
       aout.gates = admitted_gates.data_ptr<float>();
-      rt::admit(st->call.router, st->call.admission, ain, aout, ex);
+      if (cuda) {
+#ifdef MOE_LM_WITH_CUDA
+        const std::size_t bytes =
+            rt::cuda::admit_workspace_bytes(st->call.router, st->call.admission, n, e, ain.num_groups);
+        const auto workspace = device_bytes(bytes, device);
+        rt::cuda::admit(st->call.router, st->call.admission, ain, aout, workspace.data_ptr(), bytes,
+                        current_stream(device));
+#endif
+      } else {
+        rt::admit(st->call.router, st->call.admission, ain, aout, ex);
+      }
       gates = admitted_gates;
     } else {
       st->executed = st->routed;
     }
-    auto value_tensor = torch::empty({rt::num_penalties}, torch::kFloat32);
-    for (int i = 0; i < rt::num_penalties; ++i) value_tensor[i] = static_cast<float>(values[static_cast<std::size_t>(i)]);
     ctx->saved_data["state"] = c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(st));
-    return {gates, value_tensor};
+    return {gates, values.to(torch::kFloat32)};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -267,15 +351,17 @@ class route_function : public torch::autograd::Function<route_function> {
     const std::int64_t n = st->logits.size(0);
     const int e = static_cast<int>(st->logits.size(1));
     const int k = st->call.router.top_k;
-    torch::Tensor grad_gates = grads[0].defined() ? grads[0].to(torch::kFloat32).contiguous()
-                                                  : torch::zeros({n, k}, torch::kFloat32);
+    const torch::Device device = st->logits.device();
+    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+    torch::Tensor grad_gates = grads[0].defined() ? grads[0].to(torch::kFloat32).contiguous() : torch::zeros({n, k}, f32);
+    // The library reads the penalties' upstream gradients on the host, on either backend.
     std::vector<float> penalty_grads(rt::num_penalties, 0.0f);
     if (grads[1].defined()) {
-      const torch::Tensor g = grads[1].to(torch::kFloat32).contiguous();
+      const torch::Tensor g = grads[1].to(torch::kFloat32).cpu().contiguous();
       for (int i = 0; i < rt::num_penalties; ++i)
         penalty_grads[static_cast<std::size_t>(i)] = g.data_ptr<float>()[i] / static_cast<float>(st->segments.size());
     }
-    auto grad_logits = torch::empty({n, e}, torch::kFloat32);
+    auto grad_logits = torch::empty({n, e}, f32);
     for (auto& seg : st->segments) {
       moe_route::backward_args args;
       args.indices = st->routed.data_ptr<std::int32_t>() + seg.begin * k;
@@ -285,21 +371,28 @@ class route_function : public torch::autograd::Function<route_function> {
         args.admitted_indices = st->executed.data_ptr<std::int32_t>() + seg.begin * k;
         args.renormalize = rt::renormalizes(st->call.admission);
       }
-      args.workspace = seg.workspace.data();
-      args.workspace_bytes = seg.workspace.size();
+      args.workspace = seg.workspace.data_ptr();
+      args.workspace_bytes = static_cast<std::size_t>(seg.workspace.numel());
       args.penalty_grads = penalty_grads.data();
-      rt::backward(st->call.router, seg.in, args, moe_route::cpu::execution{st->call.threads});
+      if (on_cuda(st->logits)) {
+#ifdef MOE_LM_WITH_CUDA
+        const std::size_t scratch_bytes = rt::cuda::neutral_bytes(st->call.router, seg.in);
+        const auto scratch = device_bytes(scratch_bytes, device);
+        rt::cuda::backward(st->call.router, seg.in, args, scratch.data_ptr(), scratch_bytes, current_stream(device));
+#endif
+      } else {
+        rt::backward(st->call.router, seg.in, args, moe_route::cpu::execution{st->call.threads});
+      }
     }
     return {grad_logits, torch::Tensor()};
   }
 };
 
+// Assignments per expert of int32 indices (-1: none), on the host.
 std::vector<std::int64_t> count_experts(const torch::Tensor& indices, std::int64_t experts) {
-  std::vector<std::int64_t> counts(static_cast<std::size_t>(experts), 0);
-  const std::int32_t* p = indices.data_ptr<std::int32_t>();
-  for (std::int64_t i = 0, n = indices.numel(); i < n; ++i)
-    if (p[i] >= 0) ++counts[static_cast<std::size_t>(p[i])];
-  return counts;
+  const torch::Tensor idx = indices.reshape({-1});
+  const torch::Tensor counts = torch::bincount(idx.masked_select(idx >= 0).to(torch::kInt64), {}, experts).cpu();
+  return {counts.data_ptr<std::int64_t>(), counts.data_ptr<std::int64_t>() + experts};
 }
 
 }  // namespace
@@ -333,11 +426,12 @@ struct expert_choice_state : torch::CustomClassHolder {
   int threads = 1;
   std::vector<std::int32_t> group_ids;  // empty: one group
   int num_groups = 1;
-  torch::Tensor logits;   // fp32, contiguous, detached
-  torch::Tensor indices;  // int32 [N x E]
+  torch::Tensor logits;     // fp32, contiguous, detached
+  torch::Tensor group_ids_on_device;  // of group_ids (undefined for one group)
+  torch::Tensor indices;    // int32 [N x E]
   moe_route::expert_choice_inputs<float> inputs() const {
     return {logits.data_ptr<float>(), logits.size(0), static_cast<int>(logits.size(1)),
-            group_ids.empty() ? nullptr : group_ids.data(), num_groups};
+            group_ids.empty() ? nullptr : group_ids_on_device.data_ptr<std::int32_t>(), num_groups};
   }
 };
 
@@ -346,12 +440,22 @@ class expert_choice_function : public torch::autograd::Function<expert_choice_fu
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor logits,
                                                 c10::intrusive_ptr<expert_choice_state> st) {
     st->logits = logits.detach().to(torch::kFloat32).contiguous();
-    st->indices = torch::empty(st->logits.sizes(), torch::TensorOptions().dtype(torch::kInt32));
-    auto gates = torch::empty(st->logits.sizes(), torch::kFloat32);
-    moe_route::cpu::expert_choice(st->policy, st->inputs(),
-                                  moe_route::expert_choice_outputs{st->indices.data_ptr<std::int32_t>(),
-                                                                   gates.data_ptr<float>()},
-                                  moe_route::cpu::execution{st->threads});
+    const torch::Device device = st->logits.device();
+    if (!st->group_ids.empty()) st->group_ids_on_device = on_device(st->group_ids, device);
+    st->indices = torch::empty(st->logits.sizes(), torch::TensorOptions().dtype(torch::kInt32).device(device));
+    auto gates = torch::empty(st->logits.sizes(), torch::TensorOptions().dtype(torch::kFloat32).device(device));
+    const moe_route::expert_choice_outputs out{st->indices.data_ptr<std::int32_t>(), gates.data_ptr<float>()};
+    if (on_cuda(st->logits)) {
+#ifdef MOE_LM_WITH_CUDA
+      const auto in = st->inputs();
+      const std::size_t bytes =
+          rt::cuda::expert_choice_workspace_bytes(st->policy, in.num_tokens, in.num_experts, in.num_groups);
+      const auto workspace = device_bytes(bytes, device);
+      rt::cuda::expert_choice(st->policy, in, out, workspace.data_ptr(), bytes, current_stream(device));
+#endif
+    } else {
+      moe_route::cpu::expert_choice(st->policy, st->inputs(), out, moe_route::cpu::execution{st->threads});
+    }
     ctx->saved_data["state"] = c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(st));
     return {gates};
   }
@@ -360,12 +464,21 @@ class expert_choice_function : public torch::autograd::Function<expert_choice_fu
                                                  torch::autograd::variable_list grads) {
     const auto capsule = ctx->saved_data["state"].toCapsule();
     auto* st = static_cast<expert_choice_state*>(capsule.get());
-    const torch::Tensor grad_gates = grads[0].defined() ? grads[0].to(torch::kFloat32).contiguous()
-                                                        : torch::zeros(st->logits.sizes(), torch::kFloat32);
-    auto grad_logits = torch::empty(st->logits.sizes(), torch::kFloat32);
-    moe_route::cpu::expert_choice_backward(st->inputs(), st->indices.data_ptr<std::int32_t>(),
-                                           grad_gates.data_ptr<float>(), grad_logits.data_ptr<float>(),
-                                           moe_route::cpu::execution{st->threads});
+    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(st->logits.device());
+    const torch::Tensor grad_gates =
+        grads[0].defined() ? grads[0].to(torch::kFloat32).contiguous() : torch::zeros(st->logits.sizes(), f32);
+    auto grad_logits = torch::empty(st->logits.sizes(), f32);
+    if (on_cuda(st->logits)) {
+#ifdef MOE_LM_WITH_CUDA
+      rt::cuda::expert_choice_backward(st->inputs(), st->indices.data_ptr<std::int32_t>(),
+                                       grad_gates.data_ptr<float>(), grad_logits.data_ptr<float>(),
+                                       current_stream(st->logits.device()));
+#endif
+    } else {
+      moe_route::cpu::expert_choice_backward(st->inputs(), st->indices.data_ptr<std::int32_t>(),
+                                             grad_gates.data_ptr<float>(), grad_logits.data_ptr<float>(),
+                                             moe_route::cpu::execution{st->threads});
+    }
     return {grad_logits, torch::Tensor()};
   }
 };
@@ -385,7 +498,7 @@ torch::Tensor route_expert_choice(const torch::Tensor& logits, const moe_route::
   }
   auto gates = expert_choice_function::apply(logits, st)[0];
   record.routed = record.executed = st->indices;
-  record.values = torch::zeros({rt::num_penalties}, torch::kFloat32);
+  record.values = torch::zeros({rt::num_penalties}, logits.options().dtype(torch::kFloat32));
   record.routed_counts = record.counts = count_experts(st->indices, logits.size(1));
   return gates;
 }
@@ -424,7 +537,7 @@ torch::Tensor moe_ffn::forward(const torch::Tensor& x, const routing_context& ct
     call.mode = ctx.mode;
     call.admission = admission;
     call.admit = !admission.dropless && (ctx.mode == moe_route::mode::train || admit_at_eval);
-    call.expert_bias = expert_bias.data_ptr<float>();
+    call.expert_bias = expert_bias;
     call.prior = prior;
     call.threads = threads;
     if (ctx.prior_rows) call.prior_rows = *ctx.prior_rows;
@@ -447,26 +560,42 @@ torch::Tensor moe_ffn::forward(const torch::Tensor& x, const routing_context& ct
   if (ctx.keep_logits) last.logits = logits.detach().clone();
   const int k = static_cast<int>(gates.size(1));
 
-  // Expert-major rows from the library's dispatch metadata.
-  std::vector<std::int64_t> counts(static_cast<std::size_t>(e)), offsets(static_cast<std::size_t>(e) + 1);
-  auto permutation = torch::empty({moe_route::dispatch_rows_bound(n, k, static_cast<int>(e), 1)}, torch::kInt64);
-  auto inverse = torch::empty({n * k}, torch::kInt64);
+  // Expert-major rows from the library's dispatch metadata (on the device; the
+  // counts and offsets come to the host, which slices the rows per expert).
+  const auto i64 = torch::TensorOptions().dtype(torch::kInt64).device(x.device());
+  auto counts_t = torch::empty({e}, i64), offsets_t = torch::empty({e + 1}, i64);
+  auto permutation = torch::empty({moe_route::dispatch_rows_bound(n, k, static_cast<int>(e), 1)}, i64);
+  auto inverse = torch::empty({n * k}, i64);
   moe_route::dispatch_inputs din;
   din.indices = last.executed.data_ptr<std::int32_t>();
   din.num_tokens = n;
   din.slots_per_token = k;
   din.num_experts = static_cast<int>(e);
   moe_route::dispatch_outputs dout;
-  dout.counts = counts.data();
-  dout.offsets = offsets.data();
+  dout.counts = counts_t.data_ptr<std::int64_t>();
+  dout.offsets = offsets_t.data_ptr<std::int64_t>();
   dout.permutation = permutation.data_ptr<std::int64_t>();
   dout.inverse = inverse.data_ptr<std::int64_t>();
-  const std::int64_t rows = moe_route::cpu::dispatch(din, dout);
+  if (on_cuda(x)) {
+#ifdef MOE_LM_WITH_CUDA
+    const std::size_t bytes = rt::cuda::dispatch_workspace_bytes(n, k, static_cast<int>(e));
+    const auto workspace = device_bytes(bytes, x.device());
+    rt::cuda::dispatch(din, dout, workspace.data_ptr(), bytes, current_stream(x.device()));
+#endif
+  } else {
+    moe_route::cpu::dispatch(din, dout);
+  }
+  const torch::Tensor counts_host = counts_t.cpu(), offsets_host = offsets_t.cpu();
+  const std::vector<std::int64_t> counts(counts_host.data_ptr<std::int64_t>(), counts_host.data_ptr<std::int64_t>() + e);
+  const std::vector<std::int64_t> offsets(offsets_host.data_ptr<std::int64_t>(),
+                                          offsets_host.data_ptr<std::int64_t>() + e + 1);
+  const std::int64_t rows = offsets.back();
 
   const torch::Tensor source = permutation.slice(0, 0, rows).div(k, "floor");
   const torch::Tensor xe = x.index_select(0, source);
   const std::int64_t peak = *std::max_element(counts.begin(), counts.end());
   std::vector<torch::Tensor> ys;
+  synchronize(x);
   const auto start = std::chrono::steady_clock::now();
   last.expert_rows = 0;
   for (std::int64_t j = 0; j < e; ++j) {
@@ -477,6 +606,7 @@ torch::Tensor moe_ffn::forward(const torch::Tensor& x, const routing_context& ct
     if (in.size(0) == 0) continue;
     ys.push_back(torch::matmul(torch::silu(torch::matmul(in, w1_[j])), w2_[j]).slice(0, 0, r1 - r0));
   }
+  synchronize(x);
   last.expert_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   ys.push_back(torch::zeros({1, d}, x.options()));  // the row a dropped slot gathers
   const torch::Tensor y = torch::cat(ys, 0);
@@ -511,7 +641,7 @@ torch::Tensor block::forward(const torch::Tensor& x, const torch::Tensor& valid,
   const std::int64_t b = x.size(0), t = x.size(1), d = x.size(2), h = cfg_.heads, dh = d / h;
   const auto qkv = qkv_->forward(norm(1, x)).view({b, t, 3, h, dh}).permute({2, 0, 3, 1, 4});
   const auto scores = torch::matmul(qkv[0], qkv[1].transpose(-2, -1)) / std::sqrt(static_cast<double>(dh));
-  const auto causal = torch::ones({t, t}, torch::kBool).triu(1);
+  const auto causal = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
   const auto attn = torch::softmax(scores.masked_fill(causal, -std::numeric_limits<float>::infinity()), -1);
   const auto mixed = torch::matmul(attn, qkv[2]).transpose(1, 2).reshape({b, t, d});
   const auto x1 = x + proj_->forward(mixed);
@@ -556,7 +686,7 @@ torch::Tensor model::logits(const torch::Tensor& hidden) {
 }
 
 torch::Tensor model::aux_loss() const {
-  torch::Tensor sum = torch::zeros({}, torch::kFloat32);
+  torch::Tensor sum = torch::zeros({}, pos_.options());
   for (const auto& m : moes_)
     if (m->last.values.defined()) sum = sum + m->last.values.sum();
   return sum;
@@ -603,11 +733,22 @@ std::vector<torch::Tensor> model::router_weights() const {
   return w;
 }
 
+bool cuda_backend_built() {
+#ifdef MOE_LM_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 void save_model(const std::shared_ptr<model>& m, const std::string& path) {
+  const torch::Device device = m->device();
+  if (!device.is_cpu()) m->to(torch::kCPU);
   torch::serialize::OutputArchive archive;
   m->save(archive);
   archive.write("moe_lm_config", c10::IValue(to_json(m->config())));
   archive.save_to(path);
+  if (!device.is_cpu()) m->to(device);
 }
 
 std::shared_ptr<model> load_model(const std::string& path) {

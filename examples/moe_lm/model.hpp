@@ -5,7 +5,8 @@
 // LibTorch and hands them to a torch::autograd::Function whose forward is
 // moe_route::runtime::route (+ runtime::admit) and whose backward is
 // runtime::backward, the library's fused backward. The experts run on the
-// rows the library's dispatch metadata (cpu::dispatch) assigns them.
+// rows the library's dispatch metadata assigns them. On CUDA tensors every
+// one of these calls is the library's CUDA backend (runtime_cuda.hpp).
 #pragma once
 
 #include <cstdint>
@@ -167,6 +168,8 @@ class model : public torch::nn::Module {
   const model_config& config() const { return cfg_; }
   const std::vector<std::shared_ptr<moe_ffn>>& moe_layers() const { return moes_; }
   std::vector<torch::Tensor> router_weights() const;
+  // Where the parameters live (Module::to moves them).
+  torch::Device device() const { return pos_.device(); }
 
  private:
   model_config cfg_;
@@ -179,7 +182,13 @@ class model : public torch::nn::Module {
   torch::nn::Linear head_{nullptr};
 };
 
-// Weights, buffers (expert biases) and the model_config in one file.
+// Whether this build routes CUDA tensors with the library's CUDA backend
+// (MOE_LM_WITH_CUDA: built against a CUDA LibTorch with the CUDA runtime instances).
+bool cuda_backend_built();
+
+// Weights, buffers (expert biases) and the model_config in one file, always
+// stored from the CPU (a checkpoint loads on any machine); load_model returns
+// the model on the CPU.
 void save_model(const std::shared_ptr<model>& m, const std::string& path);
 std::shared_ptr<model> load_model(const std::string& path);
 
@@ -187,13 +196,15 @@ std::shared_ptr<model> load_model(const std::string& path);
 // [N x E] under `router` (and `admission` when not dropless), differentiable
 // through the library's fused backward. hidden_norms [N] and weight_norms [E]
 // are needed by cosine admission only (undefined tensors otherwise). The
-// indices land in `record` (routed, executed, counts).
+// indices land in `record` (routed, executed, counts). CPU logits take the
+// library's CPU backend; CUDA logits (a build with MOE_LM_WITH_CUDA) its CUDA
+// backend, runtime::cuda, on torch's current stream.
 struct route_call {
   rt::router_config router;
   rt::admission_config admission;
   bool admit = false;
   moe_route::mode mode = moe_route::mode::train;
-  const float* expert_bias = nullptr;  // [E], read during the call only
+  torch::Tensor expert_bias;  // [E] float32 (copied by the call: the step may update it before the backward)
   std::shared_ptr<const prior_table> prior;
   std::vector<std::int32_t> prior_rows, sequence_ids, group_ids;
   std::int32_t num_sequences = 0;
@@ -205,7 +216,7 @@ std::vector<torch::Tensor> route(const torch::Tensor& logits, const route_call& 
 
 // Expert-choice routing of `logits` [N x E]: gates [N x E] (the softmax score
 // where the expert took the token, else 0), differentiable through
-// cpu::expert_choice_backward. The indices [N x E] (-1 past a token's
+// expert_choice_backward (CPU or CUDA, as route()). The indices [N x E] (-1 past a token's
 // experts) land in `record` (routed = executed); the penalty values are 0.
 // With group ids [N] every group is selected from on its own (one rank each).
 torch::Tensor route_expert_choice(const torch::Tensor& logits, const moe_route::selection::expert_choice& policy,

@@ -50,7 +50,7 @@ void check_gradient(const reference_case& rc) {
   route_call call;
   call.router = rc.router;
   auto bias = torch::randn({e}) * 0.1;
-  call.expert_bias = bias.data_ptr<float>();
+  call.expert_bias = bias;
   std::vector<float> pi_probs;
   torch::Tensor rows_t, prior_bias_t, prior_probs_t;
   if (rc.with_prior) {
@@ -333,13 +333,13 @@ void smoke(gating_preset preset, const std::vector<smoke_run>& runs) {
   save_model(base, ckpt);
   {  // the checkpoint gives the same model
     auto again = load_model(ckpt);
-    const batch b = make_batch(data.eval, {0, 1, 2}, 48);
+    const auto tokens = make_batch(data.eval, {0, 1, 2}, 48).tokens;
     routing_context ctx;
     ctx.mode = moe_route::mode::eval;
     torch::NoGradGuard g;
     base->eval();
     again->eval();
-    CHECK(max_abs(base->forward(b.tokens, ctx) - again->forward(b.tokens, ctx)) == 0.0);
+    CHECK(max_abs(base->forward(tokens, ctx) - again->forward(tokens, ctx)) == 0.0);
   }
 
   const auto post_set = of_domain(data.post, domain::arithmetic);
@@ -407,17 +407,17 @@ void smoke(gating_preset preset, const std::vector<smoke_run>& runs) {
     }
     if (r.admission == "cipher_strict") {
       // Capacity-padded experts run E x (peak load) rows per layer and compute the same outputs.
-      const batch b = make_batch(data.eval, {0, 1, 2, 3}, 48);
+      const auto tokens = make_batch(data.eval, {0, 1, 2, 3}, 48).tokens;
       routing_context ctx;
       ctx.mode = moe_route::mode::eval;
       torch::NoGradGuard g;
       m->eval();
-      const auto plain = m->forward(b.tokens, ctx);
+      const auto plain = m->forward(tokens, ctx);
       const auto& last = m->moe_layers()[0]->last;
       const std::int64_t peak = *std::max_element(last.counts.begin(), last.counts.end());
       CHECK(last.expert_rows == last.executed.numel());
       m->set_expert_padding(true);
-      const auto padded = m->forward(b.tokens, ctx);
+      const auto padded = m->forward(tokens, ctx);
       CHECK(m->moe_layers()[0]->last.expert_rows == peak * 4);
       CHECK(max_abs(plain - padded) < 1e-5);
     }
@@ -550,3 +550,4 @@ TEST_CASE("training is deterministic for a seed (with admission groups and a pen
   };
   CHECK(run() == run());
 }
+

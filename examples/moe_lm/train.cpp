@@ -8,6 +8,11 @@
 #include <moe_route/penalty/router_l2.hpp>
 #include <moe_route/prior/build.hpp>
 #include <moe_route/prior/prepare.hpp>
+#ifdef MOE_LM_WITH_CUDA
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <moe_route/runtime_cuda.hpp>
+#endif
 
 namespace moe_lm {
 
@@ -32,6 +37,48 @@ routing_context context_of(const batch& b, moe_route::mode mode, bool prior_rows
   ctx.sequence_ids = &b.sequence_ids;
   ctx.num_sequences = b.sequences;
   return ctx;
+}
+
+// The batch's tensors on the model's device (the per-token vectors stay on the host).
+batch on_device(const batch& b, const torch::Device& device) {
+  if (device.is_cpu()) return b;
+  batch d = b;
+  d.tokens = b.tokens.to(device);
+  d.targets = b.targets.to(device);
+  d.answer_positions = b.answer_positions.to(device);
+  d.target_positions = b.target_positions.to(device);
+  return d;
+}
+
+// penalty::router_l2 over the layers' router weights, adding its gradient to
+// theirs; the library's CUDA call when the weights are on a GPU.
+double router_l2(const model& m, const std::vector<torch::Tensor>& base, float lambda) {
+  std::vector<moe_route::penalty::router_weights> layers;
+  const auto weights = m.router_weights();
+  for (std::size_t l = 0; l < weights.size(); ++l) {
+    moe_route::penalty::router_weights w;
+    w.weights = weights[l].data_ptr<float>();
+    w.base = base[l].data_ptr<float>();
+    w.size = weights[l].numel();
+    w.grad = weights[l].mutable_grad().data_ptr<float>();
+    layers.push_back(w);
+  }
+  const moe_route::penalty::router_l2 policy{lambda};
+  if (!m.device().is_cuda()) return policy.apply(layers.data(), static_cast<int>(layers.size()));
+#ifdef MOE_LM_WITH_CUDA
+  const torch::Device d = m.device();
+  const int num_layers = static_cast<int>(layers.size());
+  const std::size_t bytes = moe_route::runtime::cuda::router_l2_workspace_bytes(layers.data(), num_layers);
+  const auto workspace = torch::empty({static_cast<std::int64_t>(bytes)}, torch::TensorOptions().dtype(torch::kUInt8).device(d));
+  const auto value = torch::empty({}, torch::TensorOptions().dtype(torch::kFloat64).device(d));
+  moe_route::runtime::cuda::router_l2(
+      policy, layers.data(), num_layers, value.data_ptr<double>(), workspace.data_ptr(), bytes,
+      static_cast<moe_route::runtime::cuda::stream_t>(
+          c10::impl::getDeviceGuardImpl(d.type())->getStream(d).native_handle()));
+  return value.item<double>();
+#else
+  throw std::invalid_argument("router_l2: the weights are on a GPU, but moe_lm was built without its CUDA backend");
+#endif
 }
 
 torch::Tensor task_loss(model& m, const batch& b, const torch::Tensor& hidden, const torch::Tensor& positions) {
@@ -128,7 +175,7 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
       }
       which.push_back(order[cursor++]);
     }
-    const batch b = make_batch(data, which, m.config().max_len);
+    const batch b = on_device(make_batch(data, which, m.config().max_len), m.device());
     routing_context ctx = context_of(b, moe_route::mode::train, o.prior_rows);
     std::vector<std::int32_t> groups;
     if (o.admission_groups > 1) {
@@ -145,29 +192,20 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
     log.step = step;
     log.task_loss = task.item<double>();
     log.aux_loss = aux.item<double>();
-    if (o.router_l2 != 0.0f) {
-      std::vector<moe_route::penalty::router_weights> layers;
-      const auto weights = m.router_weights();
-      for (std::size_t l = 0; l < weights.size(); ++l) {
-        moe_route::penalty::router_weights w;
-        w.weights = weights[l].data_ptr<float>();
-        w.base = o.base_router[l].data_ptr<float>();
-        w.size = weights[l].numel();
-        w.grad = weights[l].mutable_grad().data_ptr<float>();
-        layers.push_back(w);
-      }
-      log.router_l2 = moe_route::penalty::router_l2{o.router_l2}.apply(layers.data(), static_cast<int>(layers.size()));
-    }
+    if (o.router_l2 != 0.0f) log.router_l2 = router_l2(m, o.base_router, o.router_l2);
     if (o.clip > 0.0) torch::nn::utils::clip_grad_norm_(m.parameters(), o.clip);
     log.lr = lr_at(step);
     for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamOptions&>(group.options()).lr(log.lr);
     opt.step();
     if (o.update_expert_bias)
       for (const auto& layer : m.moe_layers())
-        if (rt::selection_uses_bias(layer->router.selection))
+        if (rt::selection_uses_bias(layer->router.selection)) {
+          // The host policy on a host copy (E floats) when the bias lives on a GPU: the same bits.
+          torch::Tensor bias = layer->expert_bias.cpu();
           moe_route::selection::expert_bias{layer->router.bias_update_rate}.update(
-              layer->expert_bias.data_ptr<float>(), layer->last.routed_counts.data(),
-              static_cast<int>(layer->expert_bias.numel()));
+              bias.data_ptr<float>(), layer->last.routed_counts.data(), static_cast<int>(bias.numel()));
+          if (!layer->expert_bias.is_cpu()) layer->expert_bias.copy_(bias);
+        }
     log.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     for (std::size_t l = 0; l < m.moe_layers().size(); ++l) {
       const auto& rec = m.moe_layers()[l]->last;
@@ -200,13 +238,14 @@ std::vector<domain_metrics> evaluate(model& m, const std::vector<example>& data,
   for (std::size_t begin = 0; begin < data.size(); begin += static_cast<std::size_t>(batch_size)) {
     const auto which = range(begin, std::min(data.size(), begin + static_cast<std::size_t>(batch_size)));
     const batch b = make_batch(data, which, m.config().max_len);
-    const auto hidden = m.forward(b.tokens, context_of(b, moe_route::mode::eval, false));
-    const auto h = hidden.reshape({-1, hidden.size(-1)}).index_select(0, b.answer_positions);
-    const auto y = b.targets.reshape({-1}).index_select(0, b.answer_positions);
+    const batch db = on_device(b, m.device());
+    const auto hidden = m.forward(db.tokens, context_of(db, moe_route::mode::eval, false));
+    const auto h = hidden.reshape({-1, hidden.size(-1)}).index_select(0, db.answer_positions);
+    const auto y = db.targets.reshape({-1}).index_select(0, db.answer_positions);
     const auto logits = m.logits(h);
     const auto per_token = torch::nn::functional::cross_entropy(
-        logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
-    const auto hit = (logits.argmax(-1) == y);
+        logits, y, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone)).cpu();
+    const auto hit = (logits.argmax(-1) == y).cpu();
     // Greedy decoding reproduces the answer exactly when, at every answer
     // position and at EOS, the argmax given the true prefix is the true next
     // token: the greedy prefix is then the true prefix. Causal attention and
@@ -255,7 +294,7 @@ std::string generate(model& m, const std::string& prompt, int max_bytes, bool* e
   while (static_cast<int>(out.size()) < max_bytes && static_cast<std::int64_t>(s.size()) <= m.config().max_len) {
     routing_context ctx;
     ctx.mode = moe_route::mode::eval;
-    const auto tokens = torch::tensor(s, torch::kInt64).unsqueeze(0);
+    const auto tokens = torch::tensor(s, torch::kInt64).unsqueeze(0).to(m.device());
     const auto h = m.forward(tokens, ctx).select(1, static_cast<std::int64_t>(s.size()) - 1);
     const auto next = m.logits(h).argmax(-1).item<std::int64_t>();
     if (next < vocab::first_byte) {
@@ -280,9 +319,9 @@ routing_trace probe(model& m, const std::vector<example>& data, int batch_size) 
   for (std::size_t begin = 0; begin < data.size(); begin += static_cast<std::size_t>(batch_size)) {
     const batch b = make_batch(data, range(begin, std::min(data.size(), begin + static_cast<std::size_t>(batch_size))),
                                m.config().max_len);
-    m.forward(b.tokens, context_of(b, moe_route::mode::eval, false));
+    m.forward(b.tokens.to(m.device()), context_of(b, moe_route::mode::eval, false));
     for (std::size_t l = 0; l < layers.size(); ++l) {
-      const auto& idx = layers[l]->last.routed;
+      const auto idx = layers[l]->last.routed.cpu();
       per_layer[l].insert(per_layer[l].end(), idx.data_ptr<std::int32_t>(), idx.data_ptr<std::int32_t>() + idx.numel());
     }
     tr.domains.insert(tr.domains.end(), b.domains.begin(), b.domains.end());
@@ -304,9 +343,9 @@ std::vector<std::vector<float>> build_prior(model& m, const std::vector<example>
                                m.config().max_len);
     routing_context ctx = context_of(b, moe_route::mode::eval, false);
     ctx.keep_logits = true;
-    m.forward(b.tokens, ctx);
+    m.forward(b.tokens.to(m.device()), ctx);
     for (std::size_t l = 0; l < layers.size(); ++l) {
-      const auto z = layers[l]->last.logits.contiguous();
+      const auto z = layers[l]->last.logits.cpu().contiguous();
       logits[l].insert(logits[l].end(), z.data_ptr<float>(), z.data_ptr<float>() + z.numel());
     }
     rows.insert(rows.end(), b.prior_rows.begin(), b.prior_rows.end());

@@ -114,7 +114,7 @@ void expert_choice_backward(const expert_choice_inputs<float>& in, const std::in
                             const float* grad_gates, float* grad_logits, stream_t stream = nullptr);
 
 // penalty::router_l2::apply on the device: `layers` is a host array of device
-// pointers (the gradients are overwritten), `value` one device double.
+// pointers (each gradient is added to), `value` one device double.
 std::size_t router_l2_workspace_bytes(const penalty::router_weights* layers, int num_layers);
 void router_l2(const penalty::router_l2& policy, const penalty::router_weights* layers, int num_layers,
                double* value, void* workspace, std::size_t workspace_bytes, stream_t stream = nullptr);

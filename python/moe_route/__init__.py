@@ -2,6 +2,8 @@
 Bias, penalties, CIPHER-style admission, expert choice) with fused, deterministic
 forward and backward, as PyTorch ops and modules. See docs/python.md."""
 
+import torch  # noqa: F401  (first: it loads the libtorch symbols that _C resolves at import)
+
 from . import _C, prior
 from .config import GATINGS, PENALTIES, PRIORS, SELECTIONS, Admission, RouterConfig
 from .functional import (Dispatch, ExpertChoiceResult, RouteResult, dispatch, expert_choice, route, router_l2,
