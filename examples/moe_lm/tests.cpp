@@ -10,21 +10,13 @@
 #include "analysis.hpp"
 #include "conditions.hpp"
 #include "data.hpp"
-#include "model.hpp"
-#include "train.hpp"
 
-// LibTorch brings glog's CHECK macros (an abort, not a test assertion); doctest's must win.
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
-#include <doctest/doctest.h>
+#include "test_main.hpp"
 
 using namespace moe_lm;
+using moe_lm::testing::mean_loss;
+using moe_lm::testing::pretrain_tiny;
+using moe_lm::testing::tiny_config;
 
 namespace {
 
@@ -126,26 +118,6 @@ std::string load_error(const std::string& contents) {
 }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
-model_config tiny_config(gating_preset g) {
-  model_config c;
-  c.d_model = 32;
-  c.layers = 2;
-  c.heads = 2;
-  c.experts = 4;
-  c.top_k = 2;
-  c.expert_hidden = 32;
-  c.shared_hidden = 32;
-  c.gating = g;
-  c.bias_update_rate = 1e-2f;
-  return c;
-}
-
-double mean_loss(const train_result& r, std::size_t from, std::size_t to) {
-  double s = 0.0;
-  for (std::size_t i = from; i < to; ++i) s += r.log[i].task_loss;
-  return s / static_cast<double>(to - from);
-}
 
 }  // namespace
 
@@ -317,18 +289,7 @@ struct smoke_run {
 // Pretrains a tiny model of `preset`, then post-trains a copy under each run.
 void smoke(gating_preset preset, const std::vector<smoke_run>& runs) {
   const split data = default_data(1, 100, 80, 12, 12);
-  torch::manual_seed(0);
-  auto base = std::make_shared<model>(tiny_config(preset));
-  rt::router_config pre_router = preset_router(base->config());
-  pre_router.load_balance.coefficient = 0.01f;
-  base->set_router(pre_router);
-  train_options pre;
-  pre.steps = 40;
-  pre.batch_size = 16;
-  pre.lr = 1e-2;
-  pre.threads = 1;
-  const train_result pr = train(*base, data.train, pre);
-  CHECK(mean_loss(pr, 35, 40) < mean_loss(pr, 0, 5));
+  auto base = pretrain_tiny(preset, data.train);
   const std::string ckpt = std::string("/tmp/moe_lm_test_base_") + preset_name(preset) + ".pt";
   save_model(base, ckpt);
   {  // the checkpoint gives the same model

@@ -5,27 +5,19 @@
 // visible GPU; otherwise doctest reports every case as skipped. Links
 // moe_lm_core only (no igraph), so it builds wherever LibTorch does.
 #include <algorithm>
+#include <cstdio>
 #include <string>
 
 #include <torch/cuda.h>
 
 #include "conditions.hpp"
 #include "data.hpp"
-#include "model.hpp"
-#include "train.hpp"
 
-// LibTorch brings glog's CHECK macros (an abort, not a test assertion); doctest's must win.
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LT
-#undef CHECK_LE
-#undef CHECK_GT
-#undef CHECK_GE
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
-#include <doctest/doctest.h>
+#include "test_main.hpp"
 
 using namespace moe_lm;
+using moe_lm::testing::mean_loss;
+using moe_lm::testing::pretrain_tiny;
 
 namespace {
 
@@ -64,26 +56,6 @@ void check_route(route_call call, std::int64_t n, std::int64_t e, bool cosine) {
   CHECK(same(outs[1][0], outs[0][0]));
   CHECK(same(outs[1][1], outs[0][1]));
   CHECK(same(grads[1], grads[0]));
-}
-
-model_config tiny_config(gating_preset g) {
-  model_config c;
-  c.d_model = 32;
-  c.layers = 2;
-  c.heads = 2;
-  c.experts = 4;
-  c.top_k = 2;
-  c.expert_hidden = 32;
-  c.shared_hidden = 32;
-  c.gating = g;
-  c.bias_update_rate = 1e-2f;
-  return c;
-}
-
-double mean_loss(const train_result& r, std::size_t from, std::size_t to) {
-  double s = 0.0;
-  for (std::size_t i = from; i < to; ++i) s += r.log[i].task_loss;
-  return s / static_cast<double>(to - from);
 }
 
 }  // namespace
@@ -160,18 +132,7 @@ TEST_CASE("training on CUDA: pretraining, then post-training with the prior, pen
   const auto probe_set = of_domain(data.probe, domain::arithmetic);
   for (const gating_preset preset : {gating_preset::softmax, gating_preset::sigmoid_bias}) {
     CAPTURE(preset_name(preset));
-    torch::manual_seed(0);
-    auto base = std::make_shared<model>(tiny_config(preset));
-    base->to(gpu);
-    rt::router_config r = preset_router(base->config());
-    r.load_balance.coefficient = 0.01f;
-    base->set_router(r);
-    train_options pre;
-    pre.steps = 40;
-    pre.batch_size = 16;
-    pre.lr = 1e-2;
-    const train_result pr = train(*base, data.train, pre);
-    CHECK(mean_loss(pr, 35, 40) < mean_loss(pr, 0, 5));
+    auto base = pretrain_tiny(preset, data.train, gpu);
     const std::string ckpt = std::string("/tmp/moe_lm_cuda_test_") + preset_name(preset) + ".pt";
     save_model(base, ckpt);
     CHECK(base->device().is_cuda());  // saving goes through the CPU and back
