@@ -14,7 +14,11 @@ out=${OUT:-build/gpu/out}
 mkdir -p "$out"
 source scripts/env.sh
 { nvidia-smi; nvcc --version; nproc; } > "$out/machine.txt" 2>&1
-if ! cmake --preset gpu > "$out/configure.log" 2>&1; then
+# Every find_package(Torch) of the build takes the machine's PyTorch (python3 on PATH),
+# its Caffe2 package included (TorchConfig searches the system's first).
+torch_cmake=$(python3 -c "import torch; print(torch.utils.cmake_prefix_path)" 2>/dev/null)
+if ! cmake --preset gpu ${torch_cmake:+-DTorch_DIR="$torch_cmake/Torch" -DCaffe2_DIR="$torch_cmake/Caffe2"} \
+       > "$out/configure.log" 2>&1; then
   tail -30 "$out/configure.log"
   exit 2
 fi
