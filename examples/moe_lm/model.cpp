@@ -133,9 +133,7 @@ bool on_cuda(const torch::Tensor& t) {
 }
 
 #ifdef MOE_LM_WITH_CUDA
-rt::cuda::stream_t current_stream(const torch::Device& d) {
-  return static_cast<rt::cuda::stream_t>(c10::impl::getDeviceGuardImpl(d.type())->getStream(d).native_handle());
-}
+rt::cuda::stream_t current_stream(const torch::Device& d) { return static_cast<rt::cuda::stream_t>(current_cuda_stream(d)); }
 
 torch::Tensor device_bytes(std::size_t bytes, const torch::Device& d) {
   return torch::empty({static_cast<std::int64_t>(bytes)}, torch::TensorOptions().dtype(torch::kUInt8).device(d));
@@ -731,6 +729,15 @@ std::vector<torch::Tensor> model::router_weights() const {
   std::vector<torch::Tensor> w;
   for (const auto& m : moes_) w.push_back(m->router_weight);
   return w;
+}
+
+void* current_cuda_stream(const torch::Device& d) {
+#ifdef MOE_LM_WITH_CUDA
+  const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(d.type());
+  return impl->getStreamNativeHandle(impl->getStream(d));  // the cudaStream_t
+#else
+  throw std::invalid_argument("moe_lm: no CUDA backend in this build (device " + d.str() + ")");
+#endif
 }
 
 bool cuda_backend_built() {

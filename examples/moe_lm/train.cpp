@@ -9,8 +9,6 @@
 #include <moe_route/prior/build.hpp>
 #include <moe_route/prior/prepare.hpp>
 #ifdef MOE_LM_WITH_CUDA
-#include <c10/core/impl/DeviceGuardImplInterface.h>
-
 #include <moe_route/runtime_cuda.hpp>
 #endif
 
@@ -71,10 +69,9 @@ double router_l2(const model& m, const std::vector<torch::Tensor>& base, float l
   const std::size_t bytes = moe_route::runtime::cuda::router_l2_workspace_bytes(layers.data(), num_layers);
   const auto workspace = torch::empty({static_cast<std::int64_t>(bytes)}, torch::TensorOptions().dtype(torch::kUInt8).device(d));
   const auto value = torch::empty({}, torch::TensorOptions().dtype(torch::kFloat64).device(d));
-  moe_route::runtime::cuda::router_l2(
-      policy, layers.data(), num_layers, value.data_ptr<double>(), workspace.data_ptr(), bytes,
-      static_cast<moe_route::runtime::cuda::stream_t>(
-          c10::impl::getDeviceGuardImpl(d.type())->getStream(d).native_handle()));
+  moe_route::runtime::cuda::router_l2(policy, layers.data(), num_layers, value.data_ptr<double>(),
+                                      workspace.data_ptr(), bytes,
+                                      static_cast<moe_route::runtime::cuda::stream_t>(current_cuda_stream(d)));
   return value.item<double>();
 #else
   throw std::invalid_argument("router_l2: the weights are on a GPU, but moe_lm was built without its CUDA backend");

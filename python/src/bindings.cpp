@@ -242,8 +242,8 @@ torch::Tensor logits_of(const torch::Tensor& logits, const placement& at) {
 // torch's current stream on the call's device (the device is made current by
 // the caller's DeviceGuard).
 rt::cuda::stream_t stream_of(const placement& at) {
-  return static_cast<rt::cuda::stream_t>(
-      c10::impl::getDeviceGuardImpl(at.device.type())->getStream(at.device).native_handle());
+  const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(at.device.type());
+  return static_cast<rt::cuda::stream_t>(impl->getStreamNativeHandle(impl->getStream(at.device)));
 }
 
 // A device buffer of `bytes` bytes from torch's caching allocator (none for 0).
