@@ -54,6 +54,9 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
+    if torch.device(args.device).type == "cuda" and not (torch.cuda.is_available() and mr.with_cuda):
+        print("no CUDA device or no CUDA branch in moe_route: benchmark skipped")
+        return
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     cases = [
