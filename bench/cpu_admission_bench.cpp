@@ -51,16 +51,12 @@
 #include <string>
 #include <vector>
 
-#include <unistd.h>
-
-#include <moe_route/moe_route.hpp>
-#include <moe_route/backend/cpu/admission.hpp>
+#include <moe_route/backend/cpu/admit.hpp>
 #include <moe_route/backend/cpu/dispatch.hpp>
 #include <moe_route/backend/cpu/expert_choice.hpp>
+#include <moe_route/moe_route.hpp>
 
-#ifndef MOE_ROUTE_BENCH_WITH_TORCH
-#define MOE_ROUTE_BENCH_WITH_TORCH 0
-#endif
+#include "bench_common.hpp"
 #if MOE_ROUTE_BENCH_WITH_TORCH
 #include "torch_admission.hpp"
 #include "torch_reference.hpp"
@@ -69,6 +65,7 @@
 namespace {
 
 namespace mr = moe_route;
+namespace bench = moe_route_bench;
 namespace ad = moe_route::admission;
 
 constexpr std::uint32_t seed = 20261202;
@@ -445,33 +442,23 @@ void set_stage_counters(benchmark::State& state, const stage_seconds& st) {
 }
 
 void register_library(const shape& s, policy p, int threads) {
-  auto fn = [&s, p, threads](benchmark::State& state) {
+  bench::add_benchmark(bench_name(s, p, false, threads), [&s, p, threads](benchmark::State& state) {
     lib_buffers b(s, p);
     stage_seconds st;
-    for (auto _ : state) {
-      library_run(s, p, b, threads, &st);
-      benchmark::ClobberMemory();
-    }
+    bench::time_loop(state, s.tokens, [&] { library_run(s, p, b, threads, &st); });
     set_stage_counters(state, st);
-    state.SetItemsProcessed(state.iterations() * s.tokens);
-  };
-  benchmark::RegisterBenchmark(bench_name(s, p, false, threads).c_str(), fn)->Unit(benchmark::kMicrosecond)->UseRealTime();
+  });
 }
 
 #if MOE_ROUTE_BENCH_WITH_TORCH
 void register_torch(const shape& s, policy p, int threads) {
-  auto fn = [&s, p, threads](benchmark::State& state) {
+  bench::add_benchmark(bench_name(s, p, true, threads), [&s, p, threads](benchmark::State& state) {
     auto& tr = torch_for(s, p);
     moe_route_bench::torch_router::set_threads(threads);
     stage_seconds st;
-    for (auto _ : state) {
-      torch_run(tr, threads, &st);
-      benchmark::ClobberMemory();
-    }
+    bench::time_loop(state, s.tokens, [&] { torch_run(tr, threads, &st); });
     set_stage_counters(state, st);
-    state.SetItemsProcessed(state.iterations() * s.tokens);
-  };
-  benchmark::RegisterBenchmark(bench_name(s, p, true, threads).c_str(), fn)->Unit(benchmark::kMicrosecond)->UseRealTime();
+  });
 }
 #endif
 
@@ -489,67 +476,44 @@ void register_all(const std::vector<const shape*>& shapes) {
     }
 }
 
-bool single_thread(const std::string& name) { return name.size() >= 3 && name.compare(name.size() - 3, 3, "/t1") == 0; }
-
 // The LibTorch benchmark a library benchmark is compared with.
 std::string peer_name(const std::string& name) {
-  std::string peer = name;
-  const auto at = peer.find("/library/");
-  if (at == std::string::npos) return "";
-  peer.replace(at, 9, "/libtorch/");
+  std::string peer = bench::libtorch_name(name);
   const std::string reroute = "/cipher_reroute/";
   const auto r = peer.find(reroute);
   if (r != std::string::npos) peer.replace(r, reroute.size(), "/cipher_strict/");
   return peer;
 }
 
-// Keeps the fastest time per iteration (CPU for t1, wall otherwise) and that
-// run's counters, and adds lib/torch to the library runs before printing them.
-class ratio_reporter : public benchmark::ConsoleReporter {
+// Adds lib/torch to the library runs before printing them and keeps the
+// counters of each benchmark's fastest repetition.
+class ratio_reporter : public bench::fastest_reporter {
  public:
-  ratio_reporter() : ConsoleReporter(isatty(STDOUT_FILENO) ? OO_ColorTabular : OO_Tabular) {}
-  std::map<std::string, double> best;
+  ratio_reporter() : fastest_reporter(bench::terminal_options()) {}
   std::map<std::string, benchmark::UserCounters> best_counters;
 
-  void ReportRuns(const std::vector<Run>& runs) override {
-    std::vector<Run> shown = runs;
-    for (Run& run : shown) {
-      if (run.run_type != Run::RT_Iteration || run.error_occurred || run.iterations == 0) continue;
-      const std::string& name = run.run_name.function_name;
-      const double t = (single_thread(name) ? run.cpu_accumulated_time : run.real_accumulated_time) /
-                       static_cast<double>(run.iterations);
-      const std::string peer = peer_name(name);
-      if (!peer.empty()) {
-        const auto it = best.find(peer);
-        if (it != best.end()) run.counters["lib/torch"] = benchmark::Counter(t / it->second);
-      }
-      auto [it, inserted] = best.emplace(name, t);
-      if (inserted || t < it->second) {
-        it->second = t;
-        best_counters[name] = run.counters;
-      }
+ private:
+  void record(Run& run, double t, bool fastest) override {
+    const std::string& name = run.run_name.function_name;
+    const std::string peer = peer_name(name);
+    if (!peer.empty()) {
+      const double peer_t = best(peer);
+      if (peer_t >= 0) run.counters["lib/torch"] = benchmark::Counter(t / peer_t);
     }
-    ConsoleReporter::ReportRuns(shown);
+    if (fastest) best_counters[name] = run.counters;
   }
 };
 
 void print_table(const std::vector<const shape*>& shapes, const ratio_reporter& rep) {
-  const auto get = [&](const std::string& name) -> double {
-    const auto it = rep.best.find(name);
-    return it == rep.best.end() ? -1.0 : it->second;
-  };
   const auto counter = [&](const std::string& name, const char* c) -> double {
     const auto it = rep.best_counters.find(name);
     if (it == rep.best_counters.end()) return -1.0;
     const auto jt = it->second.find(c);
     return jt == it->second.end() ? -1.0 : jt->second.value;
   };
-  const auto fmt = [](double v, const char* f) -> std::string {
-    if (v < 0) return "-";
-    char buf[32];
-    std::snprintf(buf, sizeof buf, f, v);
-    return buf;
-  };
+  using bench::cell;
+  using bench::micros;
+  using bench::ratio;
   std::printf("\nRoute + admit + dispatch per call, fp32, align %d, %d ranks; fastest repetition; 1 thread: calling "
               "thread's CPU time, 2 threads: wall-clock. lib/torch < 1: the library is faster. share = admit / (route + "
               "admit + dispatch) of the fastest repetition (expert_choice: its selection is the route column, share -).\n\n",
@@ -560,21 +524,20 @@ void print_table(const std::vector<const shape*>& shapes, const ratio_reporter& 
   for (const shape* s : shapes)
     for (policy p : policies) {
       const std::string l1 = bench_name(*s, p, false, 1), l2 = bench_name(*s, p, false, 2);
-      const double lib1 = get(l1), lib2 = get(l2), tor1 = get(peer_name(l1)), tor2 = get(peer_name(l2));
+      const double lib1 = rep.best(l1), lib2 = rep.best(l2);
+      const double tor1 = rep.best(peer_name(l1)), tor2 = rep.best(peer_name(l2));
       const bool ec = p == policy::expert_choice;
       const check_result& cr = results()[config_name(*s, p)];
       std::string peer = like_for_like(p) ? "same algorithm" : "cipher_strict composition (NOT like for like)";
       if (cr.tie_slots > 0) peer += " (" + std::to_string(cr.tie_slots) + " tie slots)";
       std::printf("| %s | %lld | %d, %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s / %s |\n", policy_name(p),
                   static_cast<long long>(s->tokens), s->experts, s->top_k, peer.c_str(),
-                  ec ? "-" : fmt(cr.dropped_rate, "%.3f").c_str(), fmt(lib1 * 1e6, "%.0f").c_str(),
-                  fmt(tor1 * 1e6, "%.0f").c_str(), fmt(lib1 >= 0 && tor1 > 0 ? lib1 / tor1 : -1, "%.2f").c_str(),
-                  fmt(lib2 >= 0 && tor2 > 0 ? lib2 / tor2 : -1, "%.2f").c_str(),
-                  fmt(lib1 >= 0 && lib2 > 0 ? lib1 / lib2 : -1, "%.2f").c_str(),
-                  ec ? "-" : fmt(counter(l1, "admit_share"), "%.2f").c_str(),
-                  ec ? "-" : fmt(counter(peer_name(l1), "admit_share"), "%.2f").c_str(),
-                  fmt(counter(l1, "route_us"), "%.0f").c_str(), fmt(counter(l1, "admit_us"), "%.0f").c_str(),
-                  fmt(counter(l1, "dispatch_us"), "%.0f").c_str());
+                  ec ? "-" : cell(cr.dropped_rate, "%.3f").c_str(), micros(lib1).c_str(), micros(tor1).c_str(),
+                  ratio(lib1, tor1).c_str(), ratio(lib2, tor2).c_str(), ratio(lib1, lib2).c_str(),
+                  ec ? "-" : cell(counter(l1, "admit_share"), "%.2f").c_str(),
+                  ec ? "-" : cell(counter(peer_name(l1), "admit_share"), "%.2f").c_str(),
+                  cell(counter(l1, "route_us"), "%.0f").c_str(), cell(counter(l1, "admit_us"), "%.0f").c_str(),
+                  cell(counter(l1, "dispatch_us"), "%.0f").c_str());
     }
 }
 
@@ -587,11 +550,7 @@ int main(int argc, char** argv) {
   const shape a(4096, 64, 6), b(4096, 256, 8), c(65536, 64, 6), d(65536, 256, 8);
   const std::vector<const shape*> shapes = {&a, &b, &c, &d};
 
-#if MOE_ROUTE_BENCH_WITH_TORCH
-  std::printf("LibTorch %s; ", moe_route_bench::torch_router::version().c_str());
-#else
-  std::printf("LibTorch comparison not built (find_package(Torch) failed at configure time); ");
-#endif
+  bench::print_libtorch();
   std::printf("logits ~ normal(0, 1) + expert skew ~ normal(0, 0.5), ||x|| ~ U(48, 80), ||w|| ~ U(0.8, 1.2), seed %u; "
               "capacity factor %.2f (position, probs, locmoe tau %.2f, expert_choice), cipher tau %.2f (capacity factor 8, "
               "fill factor 4)\n",

@@ -23,7 +23,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <limits>
 #include <map>
 #include <memory>
 #include <random>
@@ -33,9 +32,7 @@
 
 #include <moe_route/moe_route.hpp>
 
-#ifndef MOE_ROUTE_BENCH_WITH_TORCH
-#define MOE_ROUTE_BENCH_WITH_TORCH 0
-#endif
+#include "bench_common.hpp"
 #if MOE_ROUTE_BENCH_WITH_TORCH
 #include "torch_reference.hpp"
 #endif
@@ -43,6 +40,7 @@
 namespace {
 
 namespace mr = moe_route;
+namespace bench = moe_route_bench;
 
 constexpr std::int64_t num_tokens = 16384;
 constexpr std::uint32_t seed = 20261130;
@@ -86,41 +84,19 @@ void with_router(family f, int k, F&& fn) {
 
 // Inputs of one (E, K) shape, generated once with a fixed seed and shared by
 // every implementation and family.
-struct shape_data {
-  int experts = 0;
-  int top_k = 0;
-  std::vector<float> logits;      // N x E, normal(0, 1)
-  std::vector<float> bias;        // E, uniform(-0.05, 0.05)
-  std::vector<float> grad_gates;  // N x K, normal(0, 1)
-
-  shape_data(int e, int k) : experts(e), top_k(k) {
-    std::mt19937 gen(seed + static_cast<std::uint32_t>(e * 100 + k));
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::uniform_real_distribution<float> uniform(-0.05f, 0.05f);
-    logits.resize(static_cast<std::size_t>(num_tokens) * e);
-    for (float& x : logits) x = normal(gen);
-    bias.resize(e);
-    for (float& x : bias) x = uniform(gen);
-    grad_gates.resize(static_cast<std::size_t>(num_tokens) * k);
-    for (float& x : grad_gates) x = normal(gen);
-  }
-};
+bench::route_data make_shape(int e, int k) {
+  std::mt19937 gen(seed + static_cast<std::uint32_t>(e * 100 + k));
+  return bench::route_data(num_tokens, e, k, gen);
+}
 
 struct config {
   family fam;
-  shape_data* data;
+  const bench::route_data* data;
   std::string label() const {
     return std::string(family_name(fam)) + "/E" + std::to_string(data->experts) + "_K" + std::to_string(data->top_k);
   }
   bool uses_bias() const { return fam == family::sigmoid_bias; }
-  mr::route_inputs<float> inputs() const {
-    mr::route_inputs<float> in;
-    in.logits = data->logits.data();
-    in.num_tokens = num_tokens;
-    in.num_experts = data->experts;
-    in.expert_bias = uses_bias() ? data->bias.data() : nullptr;
-    return in;
-  }
+  mr::route_inputs<float> inputs() const { return data->inputs(uses_bias()); }
 };
 
 // ---------------------------------------------------------------- library
@@ -235,12 +211,6 @@ moe_route_bench::torch_router& torch_for(const config& c) {
   std::abort();
 }
 
-float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  float d = 0.0f;
-  for (std::size_t i = 0; i < a.size(); ++i) d = std::max(d, std::abs(a[i] - b[i]));
-  return d;
-}
-
 std::int64_t rows_differing(const std::vector<std::int32_t>& a, const std::vector<std::int32_t>& b, int k,
                             std::int64_t* first) {
   std::int64_t n = 0;
@@ -266,7 +236,7 @@ void check(const config& c) {
   const std::int64_t naive_rows = rows_differing(lib.indices, naive.indices, k, &first);
   std::printf("check %-26s naive:    indices differ in %lld of %lld rows, max |gate diff| %.3g\n", c.label().c_str(),
               static_cast<long long>(naive_rows), static_cast<long long>(num_tokens),
-              static_cast<double>(max_abs_diff(lib.gates, naive.gates)));
+              static_cast<double>(bench::max_abs_diff(lib.gates, naive.gates)));
   if (c.fam != family::sigmoid_bias && naive_rows != 0)
     die(c.label() + ": the naive loop's indices differ from the library's in row " + std::to_string(first));
 #if MOE_ROUTE_BENCH_WITH_TORCH
@@ -280,15 +250,15 @@ void check(const config& c) {
   const std::int64_t torch_rows = rows_differing(lib.indices, ref.indices, k, &first);
   std::printf("check %-26s libtorch: indices differ in %lld of %lld rows, max |gate diff| %.3g, max |dz diff| %.3g\n",
               c.label().c_str(), static_cast<long long>(torch_rows), static_cast<long long>(num_tokens),
-              static_cast<double>(max_abs_diff(lib.gates, ref.gates)),
-              static_cast<double>(max_abs_diff(lib.grad_logits, ref.grad_logits)));
+              static_cast<double>(bench::max_abs_diff(lib.gates, ref.gates)),
+              static_cast<double>(bench::max_abs_diff(lib.grad_logits, ref.grad_logits)));
   // The softmax routers must select exactly what torch.topk selects (random
   // normal logits have no ties). The sigmoid + bias key s + b is a sum of two
   // rounded values, so one-ulp differences between the library's sigmoid and
   // LibTorch's may swap near-tied experts; that is reported, not fatal.
   if (c.fam != family::sigmoid_bias && torch_rows != 0)
     die(c.label() + ": the library's indices differ from torch.topk's in row " + std::to_string(first));
-  if (max_abs_diff(lib.gates, ref.gates) > 1e-5f && c.fam != family::sigmoid_bias)
+  if (bench::max_abs_diff(lib.gates, ref.gates) > 1e-5f && c.fam != family::sigmoid_bias)
     die(c.label() + ": the library's gates differ from LibTorch's by more than 1e-5");
 #endif
 }
@@ -310,7 +280,7 @@ std::string bench_name(const config& c, bool forward, impl i, int threads) {
 }
 
 void register_one(const config& c, bool forward, impl i, int threads) {
-  auto fn = [c, forward, i, threads](benchmark::State& state) {
+  bench::add_benchmark(bench_name(c, forward, i, threads), [c, forward, i, threads](benchmark::State& state) {
     route_buffers b(c);
     if (!forward) library_forward(c, b, 1);  // the indices the backward needs
 #if MOE_ROUTE_BENCH_WITH_TORCH
@@ -320,7 +290,7 @@ void register_one(const config& c, bool forward, impl i, int threads) {
       moe_route_bench::torch_router::set_threads(threads);
     }
 #endif
-    for (auto _ : state) {
+    bench::time_loop(state, num_tokens, [&] {
       switch (i) {
         case impl::library:
           if (forward)
@@ -340,13 +310,8 @@ void register_one(const config& c, bool forward, impl i, int threads) {
 #endif
           break;
       }
-      benchmark::ClobberMemory();
-    }
-    state.SetItemsProcessed(state.iterations() * num_tokens);
-  };
-  benchmark::RegisterBenchmark(bench_name(c, forward, i, threads).c_str(), fn)
-      ->Unit(benchmark::kMicrosecond)
-      ->UseRealTime();
+    });
+  });
 }
 
 constexpr bool have_torch = MOE_ROUTE_BENCH_WITH_TORCH != 0;
@@ -365,50 +330,16 @@ void register_all(const std::vector<config>& configs) {
   }
 }
 
-// Shows every run as usual and keeps, per benchmark, the fastest time per
-// iteration over repetitions: the calling thread's CPU time (used for the
-// single-thread comparisons: robust when other processes share the cores, and
-// all the work of a single-thread run happens on that thread) and the
-// wall-clock time (used for everything involving 2 threads).
-class collecting_reporter : public benchmark::ConsoleReporter {
- public:
-  std::map<std::string, double> cpu_seconds, real_seconds;
-  void ReportRuns(const std::vector<Run>& runs) override {
-    for (const Run& run : runs) {
-      if (run.run_type != Run::RT_Iteration || run.error_occurred || run.iterations == 0) continue;
-      keep(cpu_seconds, run.run_name.function_name, run.cpu_accumulated_time / static_cast<double>(run.iterations));
-      keep(real_seconds, run.run_name.function_name, run.real_accumulated_time / static_cast<double>(run.iterations));
-    }
-    ConsoleReporter::ReportRuns(runs);
-  }
-
- private:
-  static void keep(std::map<std::string, double>& m, const std::string& name, double t) {
-    auto [it, inserted] = m.emplace(name, t);
-    if (!inserted) it->second = std::min(it->second, t);
-  }
-};
-
-void print_ratios(const std::vector<config>& configs, const collecting_reporter& rep) {
-  const auto ratio_in = [](const std::map<std::string, double>& s, const std::string& num,
-                           const std::string& den) -> std::string {
-    const auto a = s.find(num), b = s.find(den);
-    if (a == s.end() || b == s.end()) return "-";
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.1fx", a->second / b->second);
-    return buf;
+// The 1-thread columns use the calling thread's CPU time, everything involving
+// 2 threads wall-clock time (see bench::single_thread for why).
+void print_ratios(const std::vector<config>& configs, const bench::fastest_reporter& rep) {
+  const auto ratio = [&](const std::string& num, const std::string& den) {
+    return bench::ratio(rep.cpu(num), rep.cpu(den), "%.1fx");
   };
-  const auto ratio = [&](const std::string& num, const std::string& den) { return ratio_in(rep.cpu_seconds, num, den); };
   const auto ratio_wall = [&](const std::string& num, const std::string& den) {
-    return ratio_in(rep.real_seconds, num, den);
+    return bench::ratio(rep.wall(num), rep.wall(den), "%.1fx");
   };
-  const auto micros = [&](const std::string& name) -> std::string {
-    const auto a = rep.cpu_seconds.find(name);
-    if (a == rep.cpu_seconds.end()) return "-";
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.0f", a->second * 1e6);
-    return buf;
-  };
+  const auto micros = [&](const std::string& name) { return bench::micros(rep.cpu(name)); };
   std::printf("\nRatios (speed-up of the library = other time / library time; same process, same inputs, "
               "N = %lld, fp32; µs and 1-thread ratios from the calling thread's CPU time, 2-thread ratios and 1t/2t "
               "scaling from wall-clock time; "
@@ -439,21 +370,17 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
 
-  shape_data small(64, 6), large(256, 8);
+  const bench::route_data small = make_shape(64, 6), large = make_shape(256, 8);
   std::vector<config> configs;
-  for (shape_data* d : {&small, &large})
+  for (const bench::route_data* d : {&small, &large})
     for (family f : {family::softmax_topk, family::softmax_topk_norm, family::sigmoid_bias}) configs.push_back({f, d});
 
-#if MOE_ROUTE_BENCH_WITH_TORCH
-  std::printf("LibTorch %s; ", moe_route_bench::torch_router::version().c_str());
-#else
-  std::printf("LibTorch comparison not built (find_package(Torch) failed at configure time); ");
-#endif
+  bench::print_libtorch();
   std::printf("N = %lld tokens, fp32 logits ~ normal(0, 1), seed %u\n", static_cast<long long>(num_tokens), seed);
   for (const config& c : configs) check(c);
 
   register_all(configs);
-  collecting_reporter reporter;
+  bench::fastest_reporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   print_ratios(configs, reporter);
   benchmark::Shutdown();

@@ -52,13 +52,9 @@
 #include <string>
 #include <vector>
 
-#include <unistd.h>
-
 #include <moe_route/moe_route.hpp>
 
-#ifndef MOE_ROUTE_BENCH_WITH_TORCH
-#define MOE_ROUTE_BENCH_WITH_TORCH 0
-#endif
+#include "bench_common.hpp"
 #if MOE_ROUTE_BENCH_WITH_TORCH
 #include "torch_prior.hpp"
 #include "torch_reference.hpp"
@@ -67,6 +63,7 @@
 namespace {
 
 namespace mr = moe_route;
+namespace bench = moe_route_bench;
 
 constexpr std::int64_t num_tokens = 16384;
 constexpr std::int64_t prior_rows = 512;   // S: rows of the prior table
@@ -118,29 +115,20 @@ void with_variant(const Base& base, variant v, bool zero, F&& fn) {
   }
 }
 
-// Inputs of one shape, generated once with a fixed seed.
-struct shape {
+// Inputs of one shape, generated once with a fixed seed: the router's
+// (bench::route_data), then the prior and the locality ranks.
+struct shape : bench::route_data {
   bool sigmoid = false;  // false: deepseek_v2_lite; true: moonlight
-  int experts = 0;
-  int top_k = 0;
-  std::vector<float> logits;       // N x E, normal(0, 1)
-  std::vector<float> bias;         // E, uniform(-0.05, 0.05) (expert bias)
-  std::vector<float> grad_gates;   // N x K, normal(0, 1)
   std::vector<float> prior_bias;   // S x E, prior::prepare of a random prior
   std::vector<float> prior_probs;  // S x E
   std::vector<std::int32_t> rows;  // N, r(t) in [0, S); 1 token in 8 has none (-1)
   std::vector<std::int32_t> expert_rank;  // E
 
-  shape(bool sig, int e, int k) : sigmoid(sig), experts(e), top_k(k) {
-    std::mt19937 gen(seed + static_cast<std::uint32_t>(e * 100 + k + (sig ? 7 : 0)));
+  shape(bool sig, int e, int k)
+      : shape(sig, e, k, std::mt19937(seed + static_cast<std::uint32_t>(e * 100 + k + (sig ? 7 : 0)))) {}
+  // gen is a parameter so that it exists before the base draws from it.
+  shape(bool sig, int e, int k, std::mt19937 gen) : route_data(num_tokens, e, k, gen), sigmoid(sig) {
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::uniform_real_distribution<float> uniform(-0.05f, 0.05f);
-    logits.resize(static_cast<std::size_t>(num_tokens) * e);
-    for (float& x : logits) x = normal(gen);
-    bias.resize(e);
-    for (float& x : bias) x = uniform(gen);
-    grad_gates.resize(static_cast<std::size_t>(num_tokens) * k);
-    for (float& x : grad_gates) x = normal(gen);
     // A peaked prior: pi ~ exp(2 * normal), normalised per row.
     std::vector<float> pi(static_cast<std::size_t>(prior_rows) * e);
     for (std::int64_t r = 0; r < prior_rows; ++r) {
@@ -164,11 +152,7 @@ struct shape {
   }
 
   mr::route_inputs<float> inputs() const {
-    mr::route_inputs<float> in;
-    in.logits = logits.data();
-    in.num_tokens = num_tokens;
-    in.num_experts = experts;
-    in.expert_bias = sigmoid ? bias.data() : nullptr;
+    mr::route_inputs<float> in = route_data::inputs(sigmoid);
     in.prior_bias = prior_bias.data();
     in.prior_probs = prior_probs.data();
     in.prior_rows = prior_rows;
@@ -420,8 +404,7 @@ void check_build(build_case& c) {
   tb.run();
   std::vector<float> peer(c.prior.size());
   tb.read(peer.data());
-  float diff = 0.0f;
-  for (std::size_t i = 0; i < peer.size(); ++i) diff = std::max(diff, std::abs(peer[i] - c.prior[i]));
+  const float diff = bench::max_abs_diff(peer, c.prior);
   std::printf("check %-34s libtorch: max |prior diff| %.3g\n", c.name(false).c_str(), static_cast<double>(diff));
   if (!(diff <= 1e-6f)) die(c.name(false) + ": the prior differs from LibTorch's");
 #endif
@@ -465,55 +448,27 @@ void register_extras(std::vector<std::unique_ptr<build_case>>& builds, l2_case& 
   for (auto& bp : builds) {
     build_case* c = bp.get();
 #if MOE_ROUTE_BENCH_WITH_TORCH
-    benchmark::RegisterBenchmark(c->name(true).c_str(),
-                                 [c](benchmark::State& state) {
-                                   auto& tb = torch_build_for(*c);
-                                   moe_route_bench::torch_router::set_threads(1);
-                                   for (auto _ : state) {
-                                     tb.run();
-                                     benchmark::ClobberMemory();
-                                   }
-                                   state.SetItemsProcessed(state.iterations() * num_tokens);
-                                 })
-        ->Unit(benchmark::kMicrosecond)
-        ->UseRealTime();
+    bench::add_benchmark(c->name(true), [c](benchmark::State& state) {
+      auto& tb = torch_build_for(*c);
+      moe_route_bench::torch_router::set_threads(1);
+      bench::time_loop(state, num_tokens, [&] { tb.run(); });
+    });
 #endif
-    benchmark::RegisterBenchmark(c->name(false).c_str(),
-                                 [c](benchmark::State& state) {
-                                   for (auto _ : state) {
-                                     c->run_library();
-                                     benchmark::ClobberMemory();
-                                   }
-                                   state.SetItemsProcessed(state.iterations() * num_tokens);
-                                 })
-        ->Unit(benchmark::kMicrosecond)
-        ->UseRealTime();
+    bench::add_benchmark(c->name(false), [c](benchmark::State& state) {
+      bench::time_loop(state, num_tokens, [&] { c->run_library(); });
+    });
   }
   l2_case* c = &l2;
 #if MOE_ROUTE_BENCH_WITH_TORCH
-  benchmark::RegisterBenchmark(l2_case::name(true).c_str(),
-                               [c](benchmark::State& state) {
-                                 moe_route_bench::torch_router::set_threads(1);
-                                 moe_route_bench::torch_router_l2 peer(torch_layers(*c, c->grad.data()), l2_lambda);
-                                 for (auto _ : state) {
-                                   benchmark::DoNotOptimize(peer.apply());
-                                   benchmark::ClobberMemory();
-                                 }
-                                 state.SetItemsProcessed(state.iterations() * l2_layers * l2_size);
-                               })
-      ->Unit(benchmark::kMicrosecond)
-      ->UseRealTime();
+  bench::add_benchmark(l2_case::name(true), [c](benchmark::State& state) {
+    moe_route_bench::torch_router::set_threads(1);
+    moe_route_bench::torch_router_l2 peer(torch_layers(*c, c->grad.data()), l2_lambda);
+    bench::time_loop(state, l2_layers * l2_size, [&] { benchmark::DoNotOptimize(peer.apply()); });
+  });
 #endif
-  benchmark::RegisterBenchmark(l2_case::name(false).c_str(),
-                               [c](benchmark::State& state) {
-                                 for (auto _ : state) {
-                                   benchmark::DoNotOptimize(c->run_library());
-                                   benchmark::ClobberMemory();
-                                 }
-                                 state.SetItemsProcessed(state.iterations() * l2_layers * l2_size);
-                               })
-      ->Unit(benchmark::kMicrosecond)
-      ->UseRealTime();
+  bench::add_benchmark(l2_case::name(false), [c](benchmark::State& state) {
+    bench::time_loop(state, l2_layers * l2_size, [&] { benchmark::DoNotOptimize(c->run_library()); });
+  });
 }
 
 // ---------------------------------------------------------------- benchmarks
@@ -524,33 +479,19 @@ std::string bench_name(const shape& s, variant v, bool zero, bool torch, int thr
 }
 
 void register_library(const shape& s, variant v, bool zero, int threads) {
-  auto fn = [&s, v, zero, threads](benchmark::State& state) {
+  bench::add_benchmark(bench_name(s, v, zero, false, threads), [&s, v, zero, threads](benchmark::State& state) {
     step_buffers b(s, v, zero);
-    for (auto _ : state) {
-      library_step(s, v, zero, b, threads);
-      benchmark::ClobberMemory();
-    }
-    state.SetItemsProcessed(state.iterations() * num_tokens);
-  };
-  benchmark::RegisterBenchmark(bench_name(s, v, zero, false, threads).c_str(), fn)
-      ->Unit(benchmark::kMicrosecond)
-      ->UseRealTime();
+    bench::time_loop(state, num_tokens, [&] { library_step(s, v, zero, b, threads); });
+  });
 }
 
 #if MOE_ROUTE_BENCH_WITH_TORCH
 void register_torch(const shape& s, variant v, int threads) {
-  auto fn = [&s, v, threads](benchmark::State& state) {
+  bench::add_benchmark(bench_name(s, v, false, true, threads), [&s, v, threads](benchmark::State& state) {
     auto& tr = torch_for(s, v);
     moe_route_bench::torch_router::set_threads(threads);
-    for (auto _ : state) {
-      tr.step();
-      benchmark::ClobberMemory();
-    }
-    state.SetItemsProcessed(state.iterations() * num_tokens);
-  };
-  benchmark::RegisterBenchmark(bench_name(s, v, false, true, threads).c_str(), fn)
-      ->Unit(benchmark::kMicrosecond)
-      ->UseRealTime();
+    bench::time_loop(state, num_tokens, [&] { tr.step(); });
+  });
 }
 #endif
 
@@ -569,70 +510,30 @@ void register_all(const std::vector<const shape*>& shapes) {
     }
 }
 
-// The name's thread suffix: 1-thread runs are compared by the calling thread's
-// CPU time, others by wall-clock time.
-bool single_thread(const std::string& name) { return name.size() >= 3 && name.compare(name.size() - 3, 3, "/t1") == 0; }
-
-std::string replace(std::string s, const std::string& from, const std::string& to) {
-  const auto at = s.find(from);
-  if (at != std::string::npos) s.replace(at, from.size(), to);
-  return s;
-}
-
-// Keeps the fastest time per iteration of every benchmark and adds the ratio
-// counters to the library runs before printing them.
-class ratio_reporter : public benchmark::ConsoleReporter {
+// Adds the ratio counters to the library runs before printing them.
+class ratio_reporter : public bench::fastest_reporter {
  public:
-  // Colour only on a terminal (a custom reporter does not follow --benchmark_color).
-  ratio_reporter() : ConsoleReporter(isatty(STDOUT_FILENO) ? OO_ColorTabular : OO_Tabular) {}
-  std::map<std::string, double> best;  // seconds per iteration (CPU for t1, wall otherwise)
+  ratio_reporter() : fastest_reporter(bench::terminal_options()) {}
 
-  static double time_of(const Run& run) {
+ private:
+  void record(Run& run, double t, bool /*fastest*/) override {
     const std::string& name = run.run_name.function_name;
-    const double total = single_thread(name) ? run.cpu_accumulated_time : run.real_accumulated_time;
-    return total / static_cast<double>(run.iterations);
-  }
-
-  void ReportRuns(const std::vector<Run>& runs) override {
-    std::vector<Run> shown = runs;
-    for (Run& run : shown) {
-      if (run.run_type != Run::RT_Iteration || run.error_occurred || run.iterations == 0) continue;
-      const std::string& name = run.run_name.function_name;
-      const double t = time_of(run);
-      auto [it, inserted] = best.emplace(name, t);
-      if (!inserted) it->second = std::min(it->second, t);
-      if (name.find("/library/") == std::string::npos) continue;
-      std::string torch = replace(name, "/library/", "/libtorch/");
-      const auto peer = best.find(torch);
-      if (peer != best.end()) run.counters["lib/torch"] = benchmark::Counter(t / peer->second);
-      std::string plain = name;
-      const auto slash = plain.rfind("/library/");
-      const auto start = plain.rfind('/', slash - 1);
-      plain.replace(start + 1, slash - start - 1, "plain");
-      const auto base = best.find(plain);
-      if (base != best.end() && plain != name) run.counters["/plain"] = benchmark::Counter(t / base->second);
-    }
-    ConsoleReporter::ReportRuns(shown);
+    const std::string torch = bench::libtorch_name(name);
+    if (torch.empty()) return;
+    const double peer = best(torch);
+    if (peer >= 0) run.counters["lib/torch"] = benchmark::Counter(t / peer);
+    std::string plain = name;
+    const auto slash = plain.rfind("/library/");
+    const auto start = plain.rfind('/', slash - 1);
+    plain.replace(start + 1, slash - start - 1, "plain");
+    const double base = best(plain);
+    if (base >= 0 && plain != name) run.counters["/plain"] = benchmark::Counter(t / base);
   }
 };
 
 void print_table(const std::vector<const shape*>& shapes, const ratio_reporter& rep) {
-  const auto get = [&](const std::string& name) -> double {
-    const auto it = rep.best.find(name);
-    return it == rep.best.end() ? -1.0 : it->second;
-  };
-  const auto us = [](double t) -> std::string {
-    if (t < 0) return "-";
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.0f", t * 1e6);
-    return buf;
-  };
-  const auto ratio = [](double a, double b) -> std::string {
-    if (a < 0 || b < 0) return "-";
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "%.2f", a / b);
-    return buf;
-  };
+  using bench::micros;
+  using bench::ratio;
   std::printf("\nForward + backward per step, N = %lld, fp32; fastest repetition; 1 thread: calling thread's CPU time, "
               "2 threads: wall-clock. lib/torch < 1: the library is faster. /plain: time over the plain router's "
               "(same implementation, same threads).\n\n",
@@ -642,31 +543,30 @@ void print_table(const std::vector<const shape*>& shapes, const ratio_reporter& 
   std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const shape* s : shapes)
     for (variant v : variants) {
-      const double l1 = get(bench_name(*s, v, false, false, 1)), l2 = get(bench_name(*s, v, false, false, 2));
-      const double t1 = get(bench_name(*s, v, false, true, 1)), t2 = get(bench_name(*s, v, false, true, 2));
-      const double p1 = get(bench_name(*s, variant::plain, false, false, 1));
-      const double p2 = get(bench_name(*s, variant::plain, false, false, 2));
-      const double tp1 = get(bench_name(*s, variant::plain, false, true, 1));
-      const double z1 = v == variant::plain ? -1.0 : get(bench_name(*s, v, true, false, 1));
+      const double l1 = rep.best(bench_name(*s, v, false, false, 1)), l2 = rep.best(bench_name(*s, v, false, false, 2));
+      const double t1 = rep.best(bench_name(*s, v, false, true, 1)), t2 = rep.best(bench_name(*s, v, false, true, 2));
+      const double p1 = rep.best(bench_name(*s, variant::plain, false, false, 1));
+      const double p2 = rep.best(bench_name(*s, variant::plain, false, false, 2));
+      const double tp1 = rep.best(bench_name(*s, variant::plain, false, true, 1));
+      const double z1 = v == variant::plain ? -1.0 : rep.best(bench_name(*s, v, true, false, 1));
       std::printf("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |\n", s->label().c_str(), variant_name(v),
-                  us(l1).c_str(), us(t1).c_str(), ratio(l1, t1).c_str(), ratio(l2, t2).c_str(), ratio(l1, p1).c_str(),
-                  ratio(l2, p2).c_str(), ratio(t1, tp1).c_str(), us(z1).c_str(), ratio(z1, p1).c_str());
+                  micros(l1).c_str(), micros(t1).c_str(), ratio(l1, t1).c_str(), ratio(l2, t2).c_str(),
+                  ratio(l1, p1).c_str(), ratio(l2, p2).c_str(), ratio(t1, tp1).c_str(), micros(z1).c_str(),
+                  ratio(z1, p1).c_str());
     }
 }
 
 void print_extras(const std::vector<std::string>& names, const ratio_reporter& rep) {
   bool any = false;
-  for (const std::string& n : names) any = any || rep.best.count(n + "/library/t1") != 0;
+  for (const std::string& n : names) any = any || rep.best(n + "/library/t1") >= 0;
   if (!any) return;
   std::printf("\nOutside the router step, 1 thread, calling thread's CPU time, fastest repetition. lib/torch < 1: the "
               "library is faster.\n\n| case | lib µs | LibTorch µs | lib/torch |\n|---|---:|---:|---:|\n");
   for (const std::string& n : names) {
-    const auto l = rep.best.find(n + "/library/t1"), t = rep.best.find(n + "/libtorch/t1");
-    if (l == rep.best.end()) continue;
-    if (t == rep.best.end())
-      std::printf("| %s | %.0f | - | - |\n", n.c_str(), l->second * 1e6);
-    else
-      std::printf("| %s | %.0f | %.0f | %.2f |\n", n.c_str(), l->second * 1e6, t->second * 1e6, l->second / t->second);
+    const double l = rep.best(n + "/library/t1"), t = rep.best(n + "/libtorch/t1");
+    if (l < 0) continue;
+    std::printf("| %s | %s | %s | %s |\n", n.c_str(), bench::micros(l).c_str(), bench::micros(t).c_str(),
+                bench::ratio(l, t).c_str());
   }
 }
 
@@ -679,11 +579,7 @@ int main(int argc, char** argv) {
   const shape softmax64(false, 64, 6), sigmoid64(true, 64, 6), sigmoid256(true, 256, 8);
   const std::vector<const shape*> shapes = {&softmax64, &sigmoid64, &sigmoid256};
 
-#if MOE_ROUTE_BENCH_WITH_TORCH
-  std::printf("LibTorch %s; ", moe_route_bench::torch_router::version().c_str());
-#else
-  std::printf("LibTorch comparison not built (find_package(Torch) failed at configure time); ");
-#endif
+  bench::print_libtorch();
   std::printf("N = %lld tokens, fp32 logits ~ normal(0, 1), prior table %lld rows (1 token in 8 without one), seed %u\n",
               static_cast<long long>(num_tokens), static_cast<long long>(prior_rows), seed);
   for (const shape* s : shapes)
@@ -701,7 +597,7 @@ int main(int argc, char** argv) {
   ratio_reporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   bool any_step = false;  // skip the table when --benchmark_filter left out every step
-  for (const auto& [name, t] : reporter.best) any_step = any_step || name.compare(0, 5, "step/") == 0;
+  for (const auto& [name, t] : reporter.cpu_seconds) any_step = any_step || name.compare(0, 5, "step/") == 0;
   if (any_step) print_table(shapes, reporter);
   print_extras({"prior_build/E64", "prior_build/E256", "router_l2/L27_2048x64"}, reporter);
   benchmark::Shutdown();

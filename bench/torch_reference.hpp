@@ -51,7 +51,7 @@ class torch_router {
 // The training composition of issue 3: an optional RPB prior bias
 // z' = z + beta * b[r(t)], the gating, top-k and gates on z', and each enabled
 // penalty's value written with LibTorch operators on the unbiased logits z
-// (POLICIES.md section 5 / docs/training.md). step() runs the forward with
+// (docs/policies.md section 5 / docs/training.md). step() runs the forward with
 // autograd recording and then torch::autograd::grad of
 // sum(grad_gates * gates) + sum of the penalty values with respect to z:
 // forward + backward, every call.

@@ -3,7 +3,7 @@
 Builds moe_route._C from the library's headers with torch's extension
 machinery, against the torch already installed (hence no build isolation).
 With a CUDA torch and nvcc (CUDA_HOME, or nvcc on PATH) it also compiles the
-CUDA branch: the runtime routers' CUDA instances (instances/cuda_*.cu) and
+CUDA branch: the runtime routers' CUDA instances (src/cuda_runtime*.cu) and
 MOE_ROUTE_PYTHON_WITH_CUDA in bindings.cpp, for the architectures in
 TORCH_CUDA_ARCH_LIST (torch's default: the visible GPUs). MOE_ROUTE_CPU_ONLY=1
 skips it. The CMake build (python/CMakeLists.txt) compiles the same sources
@@ -26,12 +26,12 @@ def sources(pattern):
     return sorted(os.path.relpath(p) for p in glob.glob(os.path.join(here, pattern)))
 
 
-cpp = sources("src/*.cpp") + sources("../instances/*.cpp")
+cpp = sources("src/*.cpp") + sources("../src/runtime_*.cpp")
 with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("MOE_ROUTE_CPU_ONLY") != "1"
 if with_cuda:
     extension = CUDAExtension(
         "moe_route._C",
-        cpp + sources("../instances/cuda_*.cu"),
+        cpp + sources("../src/cuda_runtime*.cu"),
         include_dirs=[include],
         define_macros=[("MOE_ROUTE_PYTHON_WITH_CUDA", None)],
         extra_compile_args={

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include <moe_route/runtime.hpp>
+#include <moe_route/runtime/cpu.hpp>
 
 namespace moe_lm {
 

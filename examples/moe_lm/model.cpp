@@ -13,12 +13,12 @@
 #include <moe_route/backend/cpu/expert_choice.hpp>
 
 #include "data.hpp"
-#include <moe_route/runtime_instantiate.hpp>
+#include <moe_route/runtime/instantiate.hpp>
 #ifdef MOE_LM_WITH_CUDA
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 
-#include <moe_route/runtime_cuda.hpp>
+#include <moe_route/runtime/cuda.hpp>
 #endif
 
 namespace moe_lm {
@@ -118,7 +118,7 @@ rt::router_config preset_router(const model_config& c) {
 namespace {
 
 // The library's calls on the logits' device. CPU tensors take the CPU
-// backend; CUDA tensors take runtime::cuda (runtime_cuda.hpp) on torch's
+// backend; CUDA tensors take runtime::cuda (runtime/cuda.hpp) on torch's
 // current stream, with every buffer from torch's allocator. Every tensor a
 // call reads or writes lives on that device.
 bool on_cuda(const torch::Tensor& t) {

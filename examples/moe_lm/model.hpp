@@ -6,7 +6,7 @@
 // moe_route::runtime::route (+ runtime::admit) and whose backward is
 // runtime::backward, the library's fused backward. The experts run on the
 // rows the library's dispatch metadata assigns them. On CUDA tensors every
-// one of these calls is the library's CUDA backend (runtime_cuda.hpp).
+// one of these calls is the library's CUDA backend (runtime/cuda.hpp).
 #pragma once
 
 #include <cstdint>
@@ -17,8 +17,8 @@
 
 #include <torch/torch.h>
 
-#include <moe_route/admission/expert_choice.hpp>
-#include <moe_route/runtime.hpp>
+#include <moe_route/runtime/cpu.hpp>
+#include <moe_route/selection/expert_choice.hpp>
 
 namespace moe_lm {
 

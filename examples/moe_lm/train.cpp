@@ -9,7 +9,7 @@
 #include <moe_route/prior/build.hpp>
 #include <moe_route/prior/prepare.hpp>
 #ifdef MOE_LM_WITH_CUDA
-#include <moe_route/runtime_cuda.hpp>
+#include <moe_route/runtime/cuda.hpp>
 #endif
 
 namespace moe_lm {

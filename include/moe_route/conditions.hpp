@@ -21,13 +21,13 @@
 // update) so the prior is the only router-side signal (RPB App. F.6).
 #pragma once
 
-#include "penalty/kl_to_base.hpp"
-#include "penalty/load_balance.hpp"
-#include "penalty/logit_l2.hpp"
-#include "penalty/router_l2.hpp"
-#include "penalty/z_loss.hpp"
-#include "prior/policy.hpp"
-#include "router.hpp"
+#include <moe_route/penalty/kl_to_base.hpp>
+#include <moe_route/penalty/load_balance.hpp>
+#include <moe_route/penalty/logit_l2.hpp>
+#include <moe_route/penalty/router_l2.hpp>
+#include <moe_route/penalty/z_loss.hpp>
+#include <moe_route/prior/policy.hpp>
+#include <moe_route/router.hpp>
 
 namespace moe_route::conditions {
 

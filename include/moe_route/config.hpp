@@ -24,7 +24,8 @@
 namespace moe_route {
 
 // Compile-time bounds of the generated code.
-inline constexpr int max_top_k = 32;            // largest K any router may be built with
+inline constexpr int max_top_k = 32;            // largest K any router may be built with (its MaxK)
+inline constexpr int default_max_k = 16;        // a router's MaxK when none is given, and every runtime router's
 inline constexpr int max_experts = 4096;        // largest E of the general path
 inline constexpr int max_fast_path_experts = 512;  // largest register-resident bucket
 

@@ -3,10 +3,10 @@
 // Include from .cu files compiled by nvcc (target moe_route::cuda).
 #pragma once
 
-#include "moe_route.hpp"
-#include "backend/cuda/route.cuh"
-#include "backend/cuda/admission.cuh"
-#include "backend/cuda/expert_choice.cuh"
-#include "backend/cuda/dispatch_metadata.cuh"
-#include "backend/cuda/prior_build.cuh"
-#include "backend/cuda/router_l2.cuh"
+#include <moe_route/backend/cuda/admit.cuh>
+#include <moe_route/backend/cuda/dispatch.cuh>
+#include <moe_route/backend/cuda/expert_choice.cuh>
+#include <moe_route/backend/cuda/prior_build.cuh>
+#include <moe_route/backend/cuda/route.cuh>
+#include <moe_route/backend/cuda/router_l2.cuh>
+#include <moe_route/moe_route.hpp>

@@ -1,33 +1,34 @@
-// moe_route: the host umbrella header (policies, router, presets, CPU backend).
-// Compiles with any C++17 host compiler; no CUDA toolkit needed.
+// moe_route: the host umbrella header (policies, router, presets, training
+// machinery, admission, prior tools, the CPU backend). Compiles with any C++17
+// host compiler; no CUDA toolkit needed. The layers, lowest first, are in
+// tools/check_layers/layers.txt (docs/development.md).
 #pragma once
 
-#include "config.hpp"
-#include "types.hpp"
-#include "detail/numerics.hpp"
-#include "gating/gating.hpp"
-#include "gating/softmax.hpp"
-#include "gating/sigmoid.hpp"
-#include "gating/sqrt_softplus.hpp"
-#include "gating/softmax_after_topk.hpp"
-#include "selection/selection.hpp"
-#include "selection/top_k.hpp"
-#include "selection/expert_bias.hpp"
-#include "selection/group_limited.hpp"
-#include "selection/fixed.hpp"
-#include "router.hpp"
-#include "presets.hpp"
-#include "conditions.hpp"
-#include "validate.hpp"
-#include "admission/admission.hpp"
-#include "admission/dispatch.hpp"
-#include "admission/expert_choice.hpp"
-#include "analysis/capacity_bounds.hpp"
-#include "analysis/workload.hpp"
-#include "prior/prior.hpp"
-#include "penalty/penalties.hpp"
-#include "prior/policy.hpp"
-#include "backend/cpu/route.hpp"
-#include "backend/cpu/admission.hpp"
-#include "backend/cpu/dispatch.hpp"
-#include "backend/cpu/expert_choice.hpp"
+#include <moe_route/admission/admission.hpp>
+#include <moe_route/admission/dispatch.hpp>
+#include <moe_route/analysis/capacity_bounds.hpp>
+#include <moe_route/analysis/workload.hpp>
+#include <moe_route/backend/cpu/admit.hpp>
+#include <moe_route/backend/cpu/backward.hpp>
+#include <moe_route/backend/cpu/dispatch.hpp>
+#include <moe_route/backend/cpu/expert_choice.hpp>
+#include <moe_route/backend/cpu/route.hpp>
+#include <moe_route/conditions.hpp>
+#include <moe_route/config.hpp>
+#include <moe_route/gating/sigmoid.hpp>
+#include <moe_route/gating/softmax.hpp>
+#include <moe_route/gating/softmax_after_topk.hpp>
+#include <moe_route/gating/sqrt_softplus.hpp>
+#include <moe_route/penalty/penalties.hpp>
+#include <moe_route/presets.hpp>
+#include <moe_route/prior/policy.hpp>
+#include <moe_route/prior/prior.hpp>
+#include <moe_route/router.hpp>
+#include <moe_route/selection/expert_bias.hpp>
+#include <moe_route/selection/expert_choice.hpp>
+#include <moe_route/selection/fixed.hpp>
+#include <moe_route/selection/group_limited.hpp>
+#include <moe_route/selection/top_k.hpp>
+#include <moe_route/training/load_fractions.hpp>
+#include <moe_route/training/workspace.hpp>
+#include <moe_route/types.hpp>

@@ -4,14 +4,14 @@
 // the router: each preset names the E of its model as `<preset>_experts`.
 #pragma once
 
-#include "gating/sigmoid.hpp"
-#include "gating/softmax.hpp"
-#include "gating/softmax_after_topk.hpp"
-#include "gating/sqrt_softplus.hpp"
-#include "router.hpp"
-#include "selection/expert_bias.hpp"
-#include "selection/group_limited.hpp"
-#include "selection/top_k.hpp"
+#include <moe_route/gating/sigmoid.hpp>
+#include <moe_route/gating/softmax.hpp>
+#include <moe_route/gating/softmax_after_topk.hpp>
+#include <moe_route/gating/sqrt_softplus.hpp>
+#include <moe_route/router.hpp>
+#include <moe_route/selection/expert_bias.hpp>
+#include <moe_route/selection/group_limited.hpp>
+#include <moe_route/selection/top_k.hpp>
 
 namespace moe_route::presets {
 

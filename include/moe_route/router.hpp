@@ -7,12 +7,12 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "config.hpp"
-#include "detail/numerics.hpp"
-#include "gating/gating.hpp"
-#include "penalty/penalty.hpp"
-#include "prior/policy.hpp"
-#include "selection/selection.hpp"
+#include <moe_route/config.hpp>
+#include <moe_route/detail/numerics.hpp>
+#include <moe_route/gating/gating.hpp>
+#include <moe_route/penalty/penalty.hpp>
+#include <moe_route/prior/policy.hpp>
+#include <moe_route/selection/selection.hpp>
 
 namespace moe_route {
 
@@ -37,7 +37,7 @@ struct all_distinct<P, Rest...>
 
 // Structure is compile time (which policies, the largest K the generated code
 // supports); everything users switch between runs is a data member.
-template <class Gating, class Selection, int MaxK = 16, class... Policies>
+template <class Gating, class Selection, int MaxK = default_max_k, class... Policies>
 struct router {
   static_assert(gating::is_gating<Gating>,
                 "router<Gating, Selection>: Gating must be a policy from moe_route::gating");

@@ -6,8 +6,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "config.hpp"
-#include "detail/numerics.hpp"
+#include <moe_route/config.hpp>
+#include <moe_route/detail/numerics.hpp>
 
 namespace moe_route {
 
@@ -17,6 +17,11 @@ class error : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
 };
+
+namespace detail {
+// Throws moe_route::error; every argument check reports through it.
+[[noreturn]] inline void fail(const std::string& what) { throw error("moe_route: " + what); }
+}  // namespace detail
 
 // 16-bit storage types for host code. Their layout equals CUDA's __nv_bfloat16
 // and __half, so device buffers of either type can be passed as these.

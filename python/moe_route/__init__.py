@@ -11,8 +11,8 @@ from .functional import (Dispatch, ExpertChoiceResult, RouteResult, dispatch, ex
 from .modules import Router
 
 with_cuda = bool(_C.with_cuda)
-max_top_k = int(_C.max_top_k)
+router_max_k = int(_C.router_max_k)
 
 __all__ = ["Admission", "Dispatch", "ExpertChoiceResult", "GATINGS", "PENALTIES", "PRIORS", "Router",
-           "RouteResult", "RouterConfig", "SELECTIONS", "dispatch", "expert_choice", "max_top_k", "prior", "route",
+           "RouteResult", "RouterConfig", "SELECTIONS", "dispatch", "expert_choice", "router_max_k", "prior", "route",
            "router_l2", "update_expert_bias", "with_cuda"]

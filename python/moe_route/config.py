@@ -1,5 +1,5 @@
 """Router and admission configurations: plain dataclasses whose fields are the
-library's run-time parameters (include/moe_route/runtime.hpp)."""
+library's run-time parameters (include/moe_route/runtime/config.hpp)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 // The library's own errors (moe_route::error) arrive as ValueError.
 //
 // A call runs where its first tensor argument lives. CPU tensors take the CPU
-// backend. CUDA tensors take runtime::cuda (runtime_cuda.hpp) on torch's
+// backend. CUDA tensors take runtime::cuda (runtime/cuda.hpp) on torch's
 // current stream of that device, with every output and workspace from torch's
 // caching allocator; that branch is compiled when MOE_ROUTE_PYTHON_WITH_CUDA is
 // defined (a build against a CUDA PyTorch, docs/python.md). Reading a count
@@ -22,12 +22,12 @@
 #include <moe_route/moe_route.hpp>
 #include <moe_route/prior/build.hpp>
 
-#include <moe_route/runtime_instantiate.hpp>
+#include <moe_route/runtime/instantiate.hpp>
 #ifdef MOE_ROUTE_PYTHON_WITH_CUDA
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
-#include <moe_route/runtime_cuda.hpp>
+#include <moe_route/runtime/cuda.hpp>
 #endif
 
 namespace py = pybind11;
@@ -751,7 +751,7 @@ bool normalizes_by_default(const std::string& gating) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "moe_route: MoE router policies (CPU backend, and CUDA when built against a CUDA PyTorch)";
   m.attr("penalty_names") = std::vector<std::string>(rt::penalty_names, rt::penalty_names + rt::num_penalties);
-  m.attr("max_top_k") = rt::max_top_k;
+  m.attr("router_max_k") = rt::router_max_k;
 #ifdef MOE_ROUTE_PYTHON_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

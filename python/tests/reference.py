@@ -1,5 +1,5 @@
 """A pure-PyTorch reference of moe_route's contract, written from the documents
-(../shared/POLICIES.md, docs/numerics.md, docs/training.md, docs/admission.md,
+(docs/policies.md, docs/numerics.md, docs/training.md, docs/admission.md,
 docs/prior.md) and independent of the library: it never imports moe_route.
 
 Inputs are float32-valued tensors; everything is computed in float64. Gates and
@@ -31,7 +31,7 @@ def normalizes_by_default(gating: str) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# Gating (POLICIES section 1, numerics.md "Tie-breaking and keys")
+# Gating (docs/policies.md section 1, numerics.md "Tie-breaking and keys")
 
 def sanitize(z: torch.Tensor) -> torch.Tensor:
     """NaN -> -inf, +-inf -> +-FLT_MAX (a NaN logit ranks below a real -inf)."""
@@ -83,7 +83,7 @@ def distribution(gating: str, z: torch.Tensor) -> torch.Tensor:
 
 
 def gate_weights(gating: str, selected: torch.Tensor, normalize: bool, scale: float) -> torch.Tensor:
-    """w from the K selected gate inputs (POLICIES section 1)."""
+    """w from the K selected gate inputs (docs/policies.md section 1)."""
     if gating == "softmax_after_topk":
         return softmax_rows(selected) * scale
     if normalize:
@@ -92,7 +92,7 @@ def gate_weights(gating: str, selected: torch.Tensor, normalize: bool, scale: fl
 
 
 # ---------------------------------------------------------------------------
-# Selection (POLICIES section 2)
+# Selection (docs/policies.md section 2)
 
 def order_desc(keys: torch.Tensor, level: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per row, the column order by key descending with ties to the lower index;
@@ -174,7 +174,7 @@ def route(z: torch.Tensor, *, gating: str = "softmax", selection: str = "top_k",
 
 
 # ---------------------------------------------------------------------------
-# Penalties (POLICIES section 5, training.md)
+# Penalties (docs/policies.md section 5, training.md)
 
 def valid_rows(gating: str, z: torch.Tensor) -> torch.Tensor:
     """Rows that take part in the penalties: finite logits, and scores that do not
@@ -274,7 +274,7 @@ def update_expert_bias(bias: torch.Tensor, loads: torch.Tensor, rate: float) -> 
 
 
 # ---------------------------------------------------------------------------
-# Prior tools (POLICIES section 3, docs/prior.md)
+# Prior tools (docs/policies.md section 3, docs/prior.md)
 
 def prior_prepare(pi: torch.Tensor, epsilon: float = 0.05, cap: float = 5.0):
     """(bias, probs, upper_clamped, lower_clamped): clamp to [eps/E, cap/E],
@@ -305,7 +305,7 @@ def prior_build(z: torch.Tensor, rows: torch.Tensor, num_rows: int, gating: str 
 
 
 # ---------------------------------------------------------------------------
-# Admission (POLICIES section 4, docs/admission.md)
+# Admission (docs/policies.md section 4, docs/admission.md)
 
 def capacity_rule(factor: float, min_capacity: int, tokens: int, top_k: int, num_experts: int) -> int:
     """C = max(min_capacity, ceil((N_g * K / E) * factor)), in Python floats as Megatron does."""

@@ -1,4 +1,4 @@
-"""Admission (POLICIES section 4, docs/admission.md), the dispatch metadata and
+"""Admission (docs/policies.md section 4, docs/admission.md), the dispatch metadata and
 expert choice against the reference: indices, status, gates and dL/dz."""
 
 

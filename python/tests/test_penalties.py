@@ -1,4 +1,4 @@
-"""Penalties (POLICIES section 5, docs/training.md): values and their gradient
+"""Penalties (docs/policies.md section 5, docs/training.md): values and their gradient
 contributions against autograd of the float64 reference; eval mode, zero
 coefficients, excluded rows; router_l2 and the expert-bias update."""
 

@@ -1,4 +1,4 @@
-"""The RPB prior (POLICIES section 3, docs/prior.md, docs/training.md):
+"""The RPB prior (docs/policies.md section 3, docs/prior.md, docs/training.md):
 prior.prepare and prior.build against the reference, and the prior policies
 log_prior_bias and prior_override inside route()."""
 

@@ -1,4 +1,4 @@
-"""Gating and selection (POLICIES sections 1-2) against the reference: indices,
+"""Gating and selection (docs/policies.md sections 1-2) against the reference: indices,
 gates and dL/dz; ties, non-finite logits, shapes at the edges, 16-bit logits,
 non-contiguous inputs and determinism."""
 

@@ -1,5 +1,5 @@
 // moe_route::analysis against independent references written here, on small
-// hand-built cases (POLICIES.md section 6).
+// hand-built cases (docs/policies.md section 6).
 #include <doctest/doctest.h>
 
 #include <moe_route/analysis/routing_retention.hpp>

@@ -1,4 +1,4 @@
-// Admission (POLICIES.md section 4): cpu::admit against brute-force, sort-based
+// Admission (docs/policies.md section 4): cpu::admit against brute-force, sort-based
 // references written here from the specification, the reroute guarantees
 // (CIPHER eq. 27), edge cases, argument errors, the gate rule after admission
 // and a finite-difference check of its backward.
@@ -24,7 +24,7 @@
 
 #include <moe_route/admission/admission.hpp>
 #include <moe_route/admission/gates.hpp>
-#include <moe_route/backend/cpu/admission.hpp>
+#include <moe_route/backend/cpu/admit.hpp>
 #include <moe_route/moe_route.hpp>
 
 namespace admission_test {
@@ -312,7 +312,7 @@ void check_against_reference(const Router& r, const Policy& p, const batch& b, c
     }
 }
 
-// The reroute guarantees of POLICIES §4 / CIPHER eq. 27.
+// The reroute guarantees of docs/policies.md §4 / CIPHER eq. 27.
 template <class Router, class Policy>
 void check_reroute_guarantees(const Router& r, const Policy& p, const batch& b) {
   auto strict = ad::policy<typename Policy::affinity_type, ad::drop>{};

@@ -1,4 +1,4 @@
-// CIPHER capacity bounds (POLICIES.md section 7, CIPHER App. A.4) against
+// CIPHER capacity bounds (docs/policies.md section 7, CIPHER App. A.4) against
 // hand-computed values, the paper's illustrative regime and Table 7, and
 // their documented errors on invalid parameter ranges.
 #include <doctest/doctest.h>

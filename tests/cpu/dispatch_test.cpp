@@ -1,5 +1,5 @@
 // Dispatch metadata, expert-choice selection and workload statistics
-// (POLICIES.md sections 2, 4 and 6) against brute-force references written here.
+// (docs/policies.md sections 2, 4 and 6) against brute-force references written here.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -13,12 +13,12 @@
 
 #include <moe_route/admission/admission.hpp>
 #include <moe_route/admission/dispatch.hpp>
-#include <moe_route/admission/expert_choice.hpp>
 #include <moe_route/analysis/workload.hpp>
-#include <moe_route/backend/cpu/admission.hpp>
+#include <moe_route/backend/cpu/admit.hpp>
 #include <moe_route/backend/cpu/dispatch.hpp>
 #include <moe_route/backend/cpu/expert_choice.hpp>
 #include <moe_route/moe_route.hpp>
+#include <moe_route/selection/expert_choice.hpp>
 
 namespace dispatch_test {
 

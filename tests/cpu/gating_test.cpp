@@ -1,4 +1,4 @@
-// Gating functions (POLICIES.md section 1) against the double-precision
+// Gating functions (docs/policies.md section 1) against the double-precision
 // reference: scores, normalisation, scaling, and the handling of NaN, +-inf
 // and huge logits.
 #include "reference.hpp"

@@ -1,6 +1,6 @@
 // The fused backward (cpu::backward) against central finite differences of the
 // double-precision reference gates and against the analytic VJP formulas of
-// POLICIES.md section 1, for every gating, with and without normalisation and
+// docs/policies.md section 1, for every gating, with and without normalisation and
 // scaling, and for every selection (the selection held fixed at the forward's
 // indices).
 #include "reference.hpp"

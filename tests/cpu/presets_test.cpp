@@ -1,5 +1,5 @@
 // Presets carry the published parameters cited in presets.hpp and route their
-// model's E correctly; expert_bias::update follows POLICIES.md section 2.
+// model's E correctly; expert_bias::update follows docs/policies.md section 2.
 #include "reference.hpp"
 
 namespace mr = moe_route;

@@ -1,5 +1,5 @@
 // Independent naive references for the CPU test suite, written in double
-// precision from the formulas of POLICIES.md sections 1-2 and the documented
+// precision from the formulas of docs/policies.md sections 1-2 and the documented
 // choices of the headers. Nothing here calls the library's code paths: only
 // its public value types (router, route_inputs, bfloat16, float16, ...) are
 // used, and the 16-bit conversions are re-derived from IEEE definitions.
@@ -130,7 +130,7 @@ std::string show(const std::vector<T>& v) {
 }
 
 // ---------------------------------------------------------------------------
-// Elementwise math (POLICIES.md section 1 plus the documented choices).
+// Elementwise math (docs/policies.md section 1 plus the documented choices).
 
 // NaN -> -inf (never wins, scores 0), +-inf -> +-FLT_MAX.
 inline double sanitize(double z) {
@@ -386,7 +386,7 @@ inline std::vector<double> fd_gradient(const spec& sp, const std::vector<double>
   return g;
 }
 
-// The analytic VJP of POLICIES.md section 1 (softmax: s*(ds - <ds,s>);
+// The analytic VJP of docs/policies.md section 1 (softmax: s*(ds - <ds,s>);
 // sigmoid: ds*s(1-s); sqrt_softplus: ds*sigma(z)/(2s); softmax_after_topk: the
 // softmax VJP restricted to the selected), composed with the VJP of the gate
 // normalisation and scaling. NaN logits (v = -inf) get 0.

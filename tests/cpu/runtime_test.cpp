@@ -1,7 +1,7 @@
-// runtime.hpp: a router configured at run time routes, admits and
+// runtime/cpu.hpp: a router configured at run time routes, admits and
 // differentiates exactly as the router written as a type, fills the inputs of
 // policies that are off, and names the bad field or the missing input.
-#include <moe_route/runtime_instantiate.hpp>  // the runtime calls come compiled (instances/)
+#include <moe_route/runtime/instantiate.hpp>  // the runtime calls come compiled (moe_route::runtime)
 
 #include <cstring>
 

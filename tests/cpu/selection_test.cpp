@@ -1,4 +1,4 @@
-// Selection policies (POLICIES.md section 2) against the double-precision
+// Selection policies (docs/policies.md section 2) against the double-precision
 // reference: top_k, expert_bias, group_limited<top_k>, group_limited<expert_bias>
 // and fixed, on random inputs and on adversarial rows (ties, signed zeros,
 // NaN/+-inf, E not a multiple of 32, K = E, K = 1, N = 0, N = 1).
@@ -104,7 +104,7 @@ TEST_CASE("expert_bias: a NaN logit stays below every number whatever its bias")
   MOE_CHECK_VEC(all.idx, (std::vector<std::int32_t>{3, 1, 2, 0}));
 }
 
-// POLICIES.md section 2: "NaN keys rank below -inf". Under expert_bias the key
+// docs/policies.md section 2: "NaN keys rank below -inf". Under expert_bias the key
 // is s + b, so a NaN entry in the caller's bias makes that expert's key NaN,
 // which must then rank last, not first (regression: it packed above +inf).
 TEST_CASE("expert_bias: a NaN key (from a NaN bias entry) ranks below -inf") {

@@ -1,4 +1,4 @@
-// The training policies (POLICIES.md sections 3 and 5) on the CPU backend:
+// The training policies (docs/policies.md sections 3 and 5) on the CPU backend:
 // the prior policies and every penalty, alone and combined, against
 // double-precision references written here from the formulas, with
 // finite-difference checks of the fused backward under every gating.
@@ -176,7 +176,7 @@ policies policies_of(const Router& r) {
   return p;
 }
 
-// The routing distribution of the gating (POLICIES section 1) in double.
+// The routing distribution of the gating (docs/policies.md section 1) in double.
 std::vector<double> distribution(ref::gate_kind gk, const std::vector<double>& z) {
   const int E = static_cast<int>(z.size());
   std::vector<double> p(E);

@@ -19,11 +19,11 @@
 #include <string>
 #include <vector>
 
-#include <moe_route/backend/cpu/admission.hpp>
+#include <moe_route/backend/cpu/admit.hpp>
 #include <moe_route/backend/cpu/dispatch.hpp>
 #include <moe_route/backend/cpu/expert_choice.hpp>
-#include <moe_route/backend/cuda/admission.cuh>
-#include <moe_route/backend/cuda/dispatch_metadata.cuh>
+#include <moe_route/backend/cuda/admit.cuh>
+#include <moe_route/backend/cuda/dispatch.cuh>
 #include <moe_route/backend/cuda/expert_choice.cuh>
 #include <moe_route/moe_route.cuh>
 
@@ -171,7 +171,7 @@ void check_admit(const Router& r, const Policy& p, const batch& b, const char* w
   din.weight_norms = wn.get();
   din.group_ids = ptr_or_null(b.groups, groups);
   din.capacity = ptr_or_null(b.capacity, cap);
-  const std::size_t bytes = mr::cuda::admit_workspace_size(r, p, b.N, b.E, b.G);
+  const std::size_t bytes = mr::cuda::admit_workspace_bytes(r, p, b.N, b.E, b.G);
   device_vector<unsigned char> ws(bytes + 1);
   cudaStream_t stream;
   cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate");
@@ -210,7 +210,7 @@ void check_admit(const Router& r, const Policy& p, const batch& b, const char* w
     device_vector<std::int64_t> dcounts(b.E), doffsets(b.E + 1), dperm(bound), dinv(slots), dranks(R);
     mr::dispatch_inputs dd = hd;
     dd.indices = didx.get();
-    const std::size_t dbytes = mr::cuda::dispatch_workspace_size(b.N, b.K, b.E);
+    const std::size_t dbytes = mr::cuda::dispatch_workspace_bytes(b.N, b.K, b.E);
     device_vector<unsigned char> dws(dbytes + 1);
     mr::cuda::dispatch(dd, mr::dispatch_outputs{dcounts.get(), doffsets.get(), dperm.get(), dinv.get(), dranks.get()},
                        dws.get(), dbytes, nullptr);
@@ -330,7 +330,7 @@ TEST_CASE("cuda admission == cpu admission with bf16 logits" * doctest::skip(!ha
   din.routed_gates = dgates_in.get();
   din.hidden_norms = xn.get();
   din.weight_norms = wn.get();
-  const std::size_t bytes = mr::cuda::admit_workspace_size(r, p, b.N, b.E);
+  const std::size_t bytes = mr::cuda::admit_workspace_bytes(r, p, b.N, b.E);
   device_vector<unsigned char> ws(bytes);
   mr::cuda::admit(r, p, din, mr::admission_outputs{didx.get(), dgates.get()}, ws.get(), bytes);
   cuda_ok(cudaDeviceSynchronize(), "admit bf16");
@@ -376,7 +376,7 @@ TEST_CASE("cuda expert_choice == cpu expert_choice, and its dispatch" * doctest:
     din.logits = z.get();
     din.group_ids = ptr_or_null(b.groups, groups);
     din.capacity = ptr_or_null(b.capacity, cap);
-    const std::size_t bytes = mr::cuda::expert_choice_workspace_size(p, b.N, b.E, b.G);
+    const std::size_t bytes = mr::cuda::expert_choice_workspace_bytes(p, b.N, b.E, b.G);
     device_vector<unsigned char> ws(bytes);
     mr::cuda::expert_choice(p, din, mr::expert_choice_outputs{didx.get(), dgates.get(), dper.get(), drep.get()},
                             ws.get(), bytes);
@@ -407,7 +407,7 @@ TEST_CASE("cuda expert_choice == cpu expert_choice, and its dispatch" * doctest:
     device_vector<std::int64_t> dcounts(b.E), doffsets(b.E + 1), dperm(bound), dinv(pairs);
     mr::dispatch_inputs dd = hd;
     dd.indices = didx.get();
-    const std::size_t dbytes = mr::cuda::dispatch_workspace_size(b.N, b.E, b.E);
+    const std::size_t dbytes = mr::cuda::dispatch_workspace_bytes(b.N, b.E, b.E);
     device_vector<unsigned char> dws(dbytes);
     mr::cuda::dispatch(dd, mr::dispatch_outputs{dcounts.get(), doffsets.get(), dperm.get(), dinv.get()}, dws.get(),
                        dbytes);
@@ -446,7 +446,7 @@ TEST_CASE("cuda dispatch == cpu dispatch: custom rank map, everything dropped, N
     mr::dispatch_inputs dd = hd;
     dd.indices = din.get();
     dd.expert_rank = dmap.get();
-    const std::size_t bytes = mr::cuda::dispatch_workspace_size(n_tokens, S, E);
+    const std::size_t bytes = mr::cuda::dispatch_workspace_bytes(n_tokens, S, E);
     device_vector<unsigned char> ws(bytes + 1);
     mr::cuda::dispatch(dd, mr::dispatch_outputs{dcounts.get(), doffsets.get(), dperm.get(), dinv.get(), dranks.get()},
                        ws.get(), bytes);
@@ -472,7 +472,7 @@ TEST_CASE("cuda admission: host-side argument errors" * doctest::skip(!has_devic
   din.routed_indices = routed.get();
   din.routed_gates = gates.get();
   const auto p = ad::capacity_probs(1.0);
-  const std::size_t bytes = mr::cuda::admit_workspace_size(r, p, b.N, b.E);
+  const std::size_t bytes = mr::cuda::admit_workspace_bytes(r, p, b.N, b.E);
   device_vector<unsigned char> ws(bytes);
   const mr::admission_outputs out{idx.get(), out_gates.get()};
   CHECK_THROWS_WITH_AS(mr::cuda::admit(r, p, din, out, ws.get(), bytes - 1), doctest::Contains("workspace_bytes"),

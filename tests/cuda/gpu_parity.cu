@@ -6,11 +6,11 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
-#include <moe_route/backend/cuda/runtime.cuh>
 #include <moe_route/moe_route.cuh>
+#include <moe_route/runtime/detail/cuda.cuh>
 #ifdef MOE_ROUTE_TEST_CUDA_RUNTIME
-#include <moe_route/backend/cuda/runtime_instantiate.cuh>
-#include <moe_route/runtime_instantiate.hpp>
+#include <moe_route/runtime/detail/cuda_instantiate.cuh>
+#include <moe_route/runtime/instantiate.hpp>
 #endif
 
 #include <algorithm>
@@ -1016,7 +1016,7 @@ TEST_CASE("runtime::cuda: too little neutral scratch is an error naming neutral_
   CHECK_THROWS_WITH_AS(rt::cuda::neutral_bytes(c, in), doctest::Contains("token_prior_row"), mr::error);
 }
 
-// The runtime calls on the device (instances/cuda_*.cu) take minutes of nvcc,
+// The runtime calls on the device (src/cuda_runtime*.cu) take minutes of nvcc,
 // so this part is compiled only with MOE_ROUTE_BUILD_CUDA_RUNTIME (the gpu preset).
 #ifdef MOE_ROUTE_TEST_CUDA_RUNTIME
 namespace {

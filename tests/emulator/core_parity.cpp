@@ -6,10 +6,10 @@
 #include <doctest/doctest.h>
 
 #include "warp_emulator.hpp"
+#include <moe_route/backend/cuda/detail/agent_backward.cuh>
+#include <moe_route/backend/cuda/detail/agent_route.cuh>
+#include <moe_route/backend/cuda/detail/tuning.cuh>
 #include <moe_route/moe_route.hpp>
-#include <moe_route/backend/cuda/agent_route.cuh>
-#include <moe_route/backend/cuda/agent_backward.cuh>
-#include <moe_route/backend/cuda/tuning.cuh>
 #include <cstdio>
 #include <random>
 #include <cmath>

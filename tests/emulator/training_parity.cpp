@@ -1,8 +1,8 @@
-// The CUDA backend's training agents (backend/cuda/agent_training.cuh) run
+// The CUDA backend's training agents (backend/cuda/detail/agent_training.cuh) run
 // under the host warp emulator and must give the CPU backend's bits: indices,
 // gates, non-finite counts, penalty values and dL/dz, for every prior policy
 // and penalty. The small per-call kernels (chunk totals, the shared dL/dp) are
-// replayed here with the same shared arithmetic (penalty/finalize.hpp).
+// replayed here with the same shared arithmetic (training/finalize.hpp).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "warp_emulator.hpp"
+#include <moe_route/backend/cuda/detail/agent_expert_choice.cuh>
+#include <moe_route/backend/cuda/detail/agent_prior.cuh>
+#include <moe_route/backend/cuda/detail/agent_training.cuh>
 #include <moe_route/moe_route.hpp>
-#include <moe_route/backend/cuda/agent_expert_choice.cuh>
-#include <moe_route/backend/cuda/agent_prior.cuh>
-#include <moe_route/backend/cuda/agent_training.cuh>
 
 namespace mr = moe_route;
 namespace cd = moe_route::cuda::detail;
@@ -286,7 +286,7 @@ TEST_CASE("emulated CUDA prior builder: bit-identical to prior::build") {
     for (std::int64_t t = 0; t < b.N; ++t)
       emu::run<int>([&] { cd::build_prior_row<emu::warp, mr::gating::softmax>(p, t); return 0; });
     std::vector<float> device(S * E);
-    for (std::int64_t i = 0; i < S * E; ++i) device[i] = mr::prior::fixed_point_mean(sums[i], tokens[i / E]);
+    for (std::int64_t i = 0; i < S * E; ++i) device[i] = mr::penalty::fixed_point_mean(sums[i], tokens[i / E]);
     CHECK(same_bits(device, cpu));
   }
 }

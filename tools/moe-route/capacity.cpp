@@ -1,5 +1,5 @@
 // moe-route capacity: the CIPHER capacity bounds (moe_route/analysis/capacity_bounds.hpp,
-// POLICIES.md section 7).
+// docs/policies.md section 7).
 #include "common.hpp"
 
 #include <moe_route/analysis/capacity_bounds.hpp>

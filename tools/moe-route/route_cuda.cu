@@ -109,7 +109,7 @@ cuda_route_result run_router(Router r, const cuda_route_args& a, const device_da
   device_array<mr::admission_report> report(1);
   const mr::admission_outputs aout{aidx.get(), agates.get(), nullptr, report.get()};
   auto admit = [&](const auto& policy) {
-    const std::size_t bytes = mr::cuda::admit_workspace_size(proxy, policy, a.n, a.e);
+    const std::size_t bytes = mr::cuda::admit_workspace_bytes(proxy, policy, a.n, a.e);
     device_array<unsigned char> ws(bytes);
     mr::cuda::admit(proxy, policy, ain, aout, ws.get(), bytes);
     check(cudaDeviceSynchronize(), "admission");
@@ -165,7 +165,7 @@ cuda_route_result expert_choice(const cuda_route_args& a, const device_data& d) 
   check(cudaMemset(idx.get(), 0xff, slots * sizeof(std::int32_t)), "cudaMemset");  // -1, as the CPU path
   check(cudaMemset(gates.get(), 0, slots * sizeof(float)), "cudaMemset");
   device_array<mr::expert_choice_report> report(1);
-  const std::size_t bytes = mr::cuda::expert_choice_workspace_size(p, a.n, a.e);
+  const std::size_t bytes = mr::cuda::expert_choice_workspace_bytes(p, a.n, a.e);
   device_array<unsigned char> ws(bytes);
   mr::cuda::expert_choice(p, mr::expert_choice_inputs<float>{d.z_admission(), a.n, a.e},
                           mr::expert_choice_outputs{idx.get(), gates.get(), nullptr, report.get()}, ws.get(), bytes);

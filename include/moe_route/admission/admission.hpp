@@ -1,4 +1,4 @@
-// moe_route: capacity / admission policies (POLICIES.md section 4, CIPHER §3.2).
+// moe_route: capacity / admission policies (docs/policies.md section 4, CIPHER §3.2).
 //
 // Admission runs after token-choice routing (cpu::route / cuda::route wrote the
 // routed indices [N x K] and gates [N x K]). Each expert e of each admission
@@ -19,18 +19,18 @@
 //             (admission_inputs::capacity, the same C_e in every group)
 //   overflow  drop{renormalize} | reroute{fill_factor, max_rounds}
 // plus dropless_policy (no admission). The presets at the end of this file name
-// the policies of POLICIES.md section 4.
+// the policies of docs/policies.md section 4.
 //
 // The gate of every slot after admission is defined in admission/gates.hpp;
-// the backends are backend/cpu/admission.hpp and backend/cuda/admission.cuh.
+// the backends are backend/cpu/admit.hpp and backend/cuda/admit.cuh.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
-#include "../config.hpp"
-#include "../detail/numerics.hpp"
+#include <moe_route/config.hpp>
+#include <moe_route/detail/numerics.hpp>
 
 namespace moe_route::admission {
 
@@ -118,7 +118,7 @@ struct drop {
 //      F_g = ceil(N_g * K / E * fill_factor) is the fill target.
 // An expert at its limit rejects every proposal, and every expert that ever
 // rejected t is at its limit or below tau for t, so this is exactly "not yet
-// tried" of POLICIES §4 with the pointless proposals skipped. Each expert
+// tried" of docs/policies.md §4 with the pointless proposals skipped. Each expert
 // accepts its proposals in (affinity desc, token asc) order while load <
 // limit; the rest stay pending. A slot with no eligible expert, or still
 // pending after max_rounds, is dropped (gate 0, index -1). Hence T_e^S is a
@@ -302,7 +302,7 @@ MOE_ROUTE_HD std::uint64_t rank_key(float affinity, std::int64_t token) {
 }
 
 // ---------------------------------------------------------------------------
-// Presets (POLICIES.md section 4). tau is the affinity threshold; capacity and
+// Presets (docs/policies.md section 4). tau is the affinity threshold; capacity and
 // fill factors are multiples of the uniform load N_g * K / E.
 
 // CIPHER-strict: cosine affinity, threshold tau, capacity factor 8, drop.

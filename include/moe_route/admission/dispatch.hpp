@@ -1,4 +1,4 @@
-// moe_route: dispatch metadata of a routing result (POLICIES.md section 4).
+// moe_route: dispatch metadata of a routing result (docs/policies.md section 4).
 //
 // Input: indices [N x S] (S slots per token: K after route/admit, E after
 // expert_choice), -1 = not executed. Slot id of (t, j) is t * S + j.
@@ -24,7 +24,7 @@
 
 #include <cstdint>
 
-#include "../config.hpp"
+#include <moe_route/config.hpp>
 
 namespace moe_route {
 

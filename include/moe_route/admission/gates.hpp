@@ -36,16 +36,16 @@
 // With no drop and no reroute the VJP equals detail::gate_weights_vjp bit for
 // bit. The fused backward recomputes sigma and phi from the logits, the
 // routed indices and the admitted indices; cpu::admission_backward
-// (backend/cpu/admission.hpp) is the reference.
+// (backend/cpu/admit.hpp) is the reference.
 #pragma once
 
 #include <cstdint>
 
-#include "../config.hpp"
-#include "../detail/numerics.hpp"
-#include "../gating/gating.hpp"
-#include "../router.hpp"
-#include "admission.hpp"
+#include <moe_route/admission/admission.hpp>
+#include <moe_route/config.hpp>
+#include <moe_route/detail/numerics.hpp>
+#include <moe_route/gating/gating.hpp>
+#include <moe_route/router.hpp>
 
 namespace moe_route::admission {
 

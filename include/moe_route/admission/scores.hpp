@@ -6,20 +6,20 @@
 
 #include <cstdint>
 
-#include "../config.hpp"
-#include "../detail/numerics.hpp"
-#include "../detail/reduction.hpp"
-#include "../gating/gating.hpp"
-#include "../gating/softmax.hpp"
-#include "../types.hpp"
-#include "admission.hpp"
+#include <moe_route/admission/admission.hpp>
+#include <moe_route/config.hpp>
+#include <moe_route/detail/numerics.hpp>
+#include <moe_route/detail/reduction.hpp>
+#include <moe_route/gating/gating.hpp>
+#include <moe_route/gating/softmax.hpp>
+#include <moe_route/types.hpp>
 
 namespace moe_route::admission {
 
 // Softmax statistics of one row of sanitised logits v: the maximum (starting
 // from -FLT_MAX, so a row of NaNs keeps a finite maximum) and the sum of
 // exp(v_e - max) in the canonical 32-lane order (detail/numerics.hpp). These
-// are the bits backend/cpu/route.hpp and the CUDA warps compute.
+// are the bits backend/cpu/detail/rows.hpp and the CUDA warps compute.
 struct row_stats {
   float max = 0.0f;
   float sum = 0.0f;

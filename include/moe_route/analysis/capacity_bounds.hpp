@@ -1,5 +1,5 @@
 // moe_route: the capacity bounds of CIPHER-MoE (Theorem 1 and App. A.4;
-// POLICIES.md section 7). Host functions in double precision. Equation
+// docs/policies.md section 7). Host functions in double precision. Equation
 // numbers refer to papers/001 (CIPHER). Every function checks its parameter
 // ranges and throws moe_route::error naming the parameter instead of
 // returning NaN. (std::log / std::exp are not constexpr in C++17, so only the
@@ -24,7 +24,7 @@
 #include <limits>
 #include <string>
 
-#include "../types.hpp"
+#include <moe_route/types.hpp>
 
 namespace moe_route::analysis::capacity_bounds {
 

@@ -1,5 +1,5 @@
 // moe_route: expert co-activation graphs and edge-fraction thresholding
-// (POLICIES.md section 6; RPB eq. 1 and App. F.9). Host only, no dependencies.
+// (docs/policies.md section 6; RPB eq. 1 and App. F.9). Host only, no dependencies.
 //
 //   coactivation(indices, N, S, E) -> coactivation_graph
 //       counts[i, j] = #{t : i, j in S(t)}, i != j, symmetric, zero diagonal;
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "retention.hpp"
+#include <moe_route/analysis/retention.hpp>
 
 namespace moe_route::analysis {
 

@@ -1,5 +1,5 @@
 // moe_route: community detection on co-activation graphs, modularity and
-// community NMI via igraph (POLICIES.md section 6; RPB section 2, App. B.2,
+// community NMI via igraph (docs/policies.md section 6; RPB section 2, App. B.2,
 // F.9, F.10). Needs igraph (CMake target moe_route::analysis, Debian
 // libigraph-dev >= 0.10); nothing else in the library includes this header.
 //
@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "coactivation.hpp"
+#include <moe_route/analysis/coactivation.hpp>
 
 namespace moe_route::analysis {
 

@@ -1,5 +1,5 @@
 // moe_route: the marginal-preserving null model of co-activation graphs
-// (POLICIES.md section 6; RPB App. B.1). Host only, no dependencies.
+// (docs/policies.md section 6; RPB App. B.1). Host only, no dependencies.
 //
 //   inclusion_probabilities(u, K) -> pi, sum pi = K, 0 <= pi_e <= 1, pi ∝ u where possible
 //   null_model_trace(u, N, K, seed) -> indices [N x K]: each token draws K
@@ -35,7 +35,7 @@
 #include <string>
 #include <vector>
 
-#include "retention.hpp"
+#include <moe_route/analysis/retention.hpp>
 
 namespace moe_route::analysis {
 

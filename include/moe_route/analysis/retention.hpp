@@ -1,5 +1,5 @@
 // moe_route: routing-retention statistics of a post-trained router against its
-// base router (POLICIES.md section 6; RPB section 2 and App. C-D). Host only,
+// base router (docs/policies.md section 6; RPB section 2 and App. C-D). Host only,
 // no dependencies beyond the standard library.
 //
 //   utilisation(indices, N, S, E)            u_e = share of all executed selections
@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "../types.hpp"
+#include <moe_route/types.hpp>
 
 namespace moe_route::analysis {
 

@@ -1,6 +1,6 @@
 // moe_route: the full routing-retention comparison of a post-trained router
 // against its base router on the same probe tokens, per layer and as
-// unweighted layer means (POLICIES.md section 6; RPB section 2, App. B-D,
+// unweighted layer means (docs/policies.md section 6; RPB section 2, App. B-D,
 // F.8-F.10). Needs igraph (target moe_route::analysis) through communities.hpp.
 //
 //   compare_routing(base, post, shape, options) -> retention_result
@@ -28,10 +28,10 @@
 #include <string>
 #include <vector>
 
-#include "coactivation.hpp"
-#include "communities.hpp"
-#include "null_model.hpp"
-#include "retention.hpp"
+#include <moe_route/analysis/coactivation.hpp>
+#include <moe_route/analysis/communities.hpp>
+#include <moe_route/analysis/null_model.hpp>
+#include <moe_route/analysis/retention.hpp>
 
 namespace moe_route::analysis {
 

@@ -1,4 +1,4 @@
-// moe_route: workload statistics of a routing result (POLICIES.md section 6,
+// moe_route: workload statistics of a routing result (docs/policies.md section 6,
 // last bullet; CIPHER App. A.1, Figure 7). Host only, no dependencies.
 //
 //   analysis::workload(indices, N, S, E) -> workload_stats
@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "../config.hpp"
-#include "../types.hpp"
+#include <moe_route/config.hpp>
+#include <moe_route/types.hpp>
 
 namespace moe_route::analysis {
 

@@ -16,7 +16,7 @@
 #include <cstring>
 #include <cmath>
 
-#include "../config.hpp"
+#include <moe_route/config.hpp>
 
 namespace moe_route::detail {
 

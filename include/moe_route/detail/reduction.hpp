@@ -1,7 +1,7 @@
 // moe_route: the canonical row reduction, replayed on the host.
 #pragma once
 
-#include "numerics.hpp"
+#include <moe_route/detail/numerics.hpp>
 
 namespace moe_route::detail {
 

@@ -1,4 +1,4 @@
-// moe_route: what every gating policy declares (POLICIES.md section 1).
+// moe_route: what every gating policy declares (docs/policies.md section 1).
 #pragma once
 
 namespace moe_route::gating {

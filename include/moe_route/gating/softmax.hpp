@@ -1,8 +1,8 @@
-// moe_route: softmax gating (DeepSeek-V2, Qwen3). POLICIES.md section 1.
+// moe_route: softmax gating (DeepSeek-V2, Qwen3). docs/policies.md section 1.
 #pragma once
 
-#include "../detail/numerics.hpp"
-#include "gating.hpp"
+#include <moe_route/detail/numerics.hpp>
+#include <moe_route/gating/gating.hpp>
 
 namespace moe_route::gating {
 

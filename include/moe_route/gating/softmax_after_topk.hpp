@@ -1,8 +1,8 @@
-// moe_route: softmax over the selected experts (Mixtral). POLICIES.md section 1.
+// moe_route: softmax over the selected experts (Mixtral). docs/policies.md section 1.
 #pragma once
 
-#include "../detail/numerics.hpp"
-#include "gating.hpp"
+#include <moe_route/detail/numerics.hpp>
+#include <moe_route/gating/gating.hpp>
 
 namespace moe_route::gating {
 

@@ -1,7 +1,7 @@
-// moe_route: KL-to-base, the distribution-space anchor (RPB section 3.3). POLICIES.md section 5.
+// moe_route: KL-to-base, the distribution-space anchor (RPB section 3.3). docs/policies.md section 5.
 #pragma once
 
-#include "penalty.hpp"
+#include <moe_route/penalty/penalty.hpp>
 
 namespace moe_route::penalty {
 

@@ -1,7 +1,7 @@
-// moe_route: the load-balancing loss (Switch Transformer / GShard). POLICIES.md section 5.
+// moe_route: the load-balancing loss (Switch Transformer / GShard). docs/policies.md section 5.
 #pragma once
 
-#include "penalty.hpp"
+#include <moe_route/penalty/penalty.hpp>
 
 namespace moe_route::penalty {
 

@@ -1,7 +1,7 @@
-// moe_route: the locality loss (LocMoE; CIPHER eq. 9-10). POLICIES.md section 5.
+// moe_route: the locality loss (LocMoE; CIPHER eq. 9-10). docs/policies.md section 5.
 #pragma once
 
-#include "penalty.hpp"
+#include <moe_route/penalty/penalty.hpp>
 
 namespace moe_route::penalty {
 

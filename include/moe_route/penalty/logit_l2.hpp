@@ -1,7 +1,7 @@
-// moe_route: logit-L2, the logit-space anchor (RPB section 3.3). POLICIES.md section 5.
+// moe_route: logit-L2, the logit-space anchor (RPB section 3.3). docs/policies.md section 5.
 #pragma once
 
-#include "penalty.hpp"
+#include <moe_route/penalty/penalty.hpp>
 
 namespace moe_route::penalty {
 

@@ -1,11 +1,9 @@
-// moe_route: every penalty (auxiliary loss). POLICIES.md section 5.
+// moe_route: every penalty (auxiliary loss). docs/policies.md section 5.
 #pragma once
 
-#include "kl_to_base.hpp"
-#include "load_balance.hpp"
-#include "load_fractions.hpp"
-#include "locality.hpp"
-#include "logit_l2.hpp"
-#include "router_l2.hpp"
-#include "workspace.hpp"
-#include "z_loss.hpp"
+#include <moe_route/penalty/kl_to_base.hpp>
+#include <moe_route/penalty/load_balance.hpp>
+#include <moe_route/penalty/locality.hpp>
+#include <moe_route/penalty/logit_l2.hpp>
+#include <moe_route/penalty/router_l2.hpp>
+#include <moe_route/penalty/z_loss.hpp>

@@ -1,4 +1,4 @@
-// moe_route: the penalties (auxiliary losses) a router can carry. POLICIES.md
+// moe_route: the penalties (auxiliary losses) a router can carry. docs/policies.md
 // section 5.
 //
 // A penalty is a small value type in the router's policy list

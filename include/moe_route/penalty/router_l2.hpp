@@ -1,12 +1,11 @@
-// moe_route: Router-L2, the parameter-space anchor (RPB eq. 5). POLICIES.md section 5.
+// moe_route: Router-L2, the parameter-space anchor (RPB eq. 5). docs/policies.md section 5.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "../types.hpp"
-#include "../validate.hpp"
-#include "penalty.hpp"
+#include <moe_route/penalty/penalty.hpp>
+#include <moe_route/types.hpp>
 
 namespace moe_route::penalty {
 

@@ -1,7 +1,7 @@
-// moe_route: the router z-loss (ST-MoE). POLICIES.md section 5.
+// moe_route: the router z-loss (ST-MoE). docs/policies.md section 5.
 #pragma once
 
-#include "penalty.hpp"
+#include <moe_route/penalty/penalty.hpp>
 
 namespace moe_route::penalty {
 

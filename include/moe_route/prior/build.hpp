@@ -1,24 +1,18 @@
-// moe_route: the RPB prior builder (RPB eq. 2). POLICIES.md section 3.
+// moe_route: the RPB prior builder (RPB eq. 2). docs/policies.md section 3.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "../backend/cpu/distribution.hpp"
-#include "../detail/numerics.hpp"
-#include "../gating/gating.hpp"
-#include "../penalty/workspace.hpp"
-#include "../types.hpp"
-#include "../validate.hpp"
+#include <moe_route/backend/cpu/detail/distribution.hpp>
+#include <moe_route/detail/numerics.hpp>
+#include <moe_route/detail/validate.hpp>
+#include <moe_route/gating/gating.hpp>
+#include <moe_route/training/workspace.hpp>
+#include <moe_route/types.hpp>
 
 namespace moe_route::prior {
-
-// The mean of `count` fixed-point terms as float (0 for no terms).
-MOE_ROUTE_HD float fixed_point_mean(std::int64_t sum, std::int64_t count) {
-  return count > 0 ? static_cast<float>(static_cast<double>(sum) / penalty::fixed_point_scale / static_cast<double>(count))
-                   : 0.0f;
-}
 
 struct build_report {
   std::int64_t tokens_used = 0;             // tokens with a prior row (r(t) >= 0)
@@ -69,7 +63,7 @@ build_report build(const route_inputs<T>& base, const std::int32_t* rows, std::i
   for (std::int64_t r = 0; r < num_rows; ++r) {
     if (counts[r] == 0) report.empty_rows.push_back(r);
     for (int e = 0; e < e_count; ++e)
-      prior[r * e_count + e] = fixed_point_mean(sums[r * e_count + e], counts[r]);
+      prior[r * e_count + e] = penalty::fixed_point_mean(sums[r * e_count + e], counts[r]);
   }
   return report;
 }

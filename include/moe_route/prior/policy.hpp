@@ -1,4 +1,4 @@
-// moe_route: the prior policies a router can carry (RPB section 3). POLICIES.md section 3.
+// moe_route: the prior policies a router can carry (RPB section 3). docs/policies.md section 3.
 //
 // A router holds at most one prior policy in its policy list. It reads the
 // prepared table (prior::prepare: b[S x E]) through route_inputs::prior_bias,

@@ -1,12 +1,12 @@
-// moe_route: RPB prior preparation (RPB eq. 3, App. F.7). POLICIES.md section 3.
+// moe_route: RPB prior preparation (RPB eq. 3, App. F.7). docs/policies.md section 3.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <string>
 
-#include "../types.hpp"
-#include "../validate.hpp"
+#include <moe_route/detail/validate.hpp>
+#include <moe_route/types.hpp>
 
 namespace moe_route::prior {
 

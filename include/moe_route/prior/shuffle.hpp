@@ -1,12 +1,12 @@
-// moe_route: shuffled-prior controls (RPB section 5.2.2, App. E). POLICIES.md section 3.
+// moe_route: shuffled-prior controls (RPB section 5.2.2, App. E). docs/policies.md section 3.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "../types.hpp"
-#include "../validate.hpp"
+#include <moe_route/detail/validate.hpp>
+#include <moe_route/types.hpp>
 
 namespace moe_route::prior {
 

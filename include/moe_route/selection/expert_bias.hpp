@@ -1,13 +1,13 @@
 // moe_route: auxiliary-loss-free balancing by a per-expert selection bias
-// (DeepSeek-V3, Moonlight). POLICIES.md section 2.
+// (DeepSeek-V3, Moonlight). docs/policies.md section 2.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "../config.hpp"
-#include "../types.hpp"
-#include "selection.hpp"
+#include <moe_route/config.hpp>
+#include <moe_route/selection/selection.hpp>
+#include <moe_route/types.hpp>
 
 namespace moe_route::selection {
 

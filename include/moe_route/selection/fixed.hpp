@@ -1,10 +1,10 @@
-// moe_route: fixed (affinity-free) assignment, CIPHER eq. 3. POLICIES.md section 2.
+// moe_route: fixed (affinity-free) assignment, CIPHER eq. 3. docs/policies.md section 2.
 #pragma once
 
 #include <cstdint>
 
-#include "../config.hpp"
-#include "selection.hpp"
+#include <moe_route/config.hpp>
+#include <moe_route/selection/selection.hpp>
 
 namespace moe_route::selection {
 

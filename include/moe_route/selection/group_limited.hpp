@@ -1,9 +1,9 @@
-// moe_route: group-limited (node-limited) selection, DeepSeek-V3. POLICIES.md section 2.
+// moe_route: group-limited (node-limited) selection, DeepSeek-V3. docs/policies.md section 2.
 #pragma once
 
-#include "../config.hpp"
-#include "selection.hpp"
-#include "top_k.hpp"
+#include <moe_route/config.hpp>
+#include <moe_route/selection/selection.hpp>
+#include <moe_route/selection/top_k.hpp>
 
 namespace moe_route::selection {
 

@@ -1,4 +1,4 @@
-// moe_route: what every selection policy declares (POLICIES.md section 2).
+// moe_route: what every selection policy declares (docs/policies.md section 2).
 #pragma once
 
 namespace moe_route::selection {

@@ -1,8 +1,8 @@
-// moe_route: plain top-K selection. POLICIES.md section 2.
+// moe_route: plain top-K selection. docs/policies.md section 2.
 #pragma once
 
-#include "../config.hpp"
-#include "selection.hpp"
+#include <moe_route/config.hpp>
+#include <moe_route/selection/selection.hpp>
 
 namespace moe_route::selection {
 

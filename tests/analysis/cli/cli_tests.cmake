@@ -1,6 +1,6 @@
 # ctest entries of the moe-route CLI: round trips on generated .npy files for
 # every subcommand and every error path with its exit code (0 ok, 1 data
-# error, 2 usage error). Included from cmake/analysis.cmake.
+# error, 2 usage error). Included from tests/CMakeLists.txt.
 set(F ${moe_route_cli_dir})
 set(CLI $<TARGET_FILE:moe_route_cli>)
 set(DRIVER ${CMAKE_CURRENT_LIST_DIR}/run_cli.cmake)

@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "../../admission/dispatch.hpp"
-#include "../../admission/validate.hpp"
+#include <moe_route/admission/detail/validate.hpp>
+#include <moe_route/admission/dispatch.hpp>
 
 namespace moe_route::cpu {
 

@@ -1,5 +1,5 @@
 // moe_route CUDA backend: co-activation counts of a routing trace on the GPU
-// (POLICIES.md section 6), so large probe sets need not leave the device.
+// (docs/policies.md section 6), so large probe sets need not leave the device.
 //
 //   cuda::coactivation_counts(indices, N, S, E, counts, stream)
 //
@@ -20,9 +20,9 @@
 #include <cstdint>
 #include <string>
 
-#include "../../config.hpp"
-#include "../../types.hpp"
-#include "error.cuh"
+#include <moe_route/backend/cuda/detail/error.cuh>
+#include <moe_route/config.hpp>
+#include <moe_route/types.hpp>
 
 namespace moe_route::cuda {
 

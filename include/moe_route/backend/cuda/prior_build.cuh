@@ -13,16 +13,16 @@
 #include <cstdint>
 #include <string>
 
-#include "../../gating/gating.hpp"
-#include "../../prior/build.hpp"
-#include "../../types.hpp"
-#include "../../validate.hpp"
-#include "agent_prior.cuh"
-#include "error.cuh"
-#include "kernels.cuh"
-#include "route.cuh"
-#include "tuning.cuh"
-#include "warp.cuh"
+#include <moe_route/backend/cuda/detail/agent_prior.cuh>
+#include <moe_route/backend/cuda/detail/error.cuh>
+#include <moe_route/backend/cuda/detail/kernels.cuh>
+#include <moe_route/backend/cuda/detail/tuning.cuh>
+#include <moe_route/backend/cuda/detail/warp.cuh>
+#include <moe_route/backend/cuda/route.cuh>
+#include <moe_route/detail/validate.hpp>
+#include <moe_route/gating/gating.hpp>
+#include <moe_route/training/workspace.hpp>
+#include <moe_route/types.hpp>
 
 namespace moe_route::cuda {
 
@@ -39,7 +39,7 @@ MOE_ROUTE_KERNEL void prior_mean_kernel(const std::int64_t* sums, const std::int
                                         std::int64_t num_rows, int num_experts, float* prior) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= num_rows * num_experts) return;
-  prior[i] = moe_route::prior::fixed_point_mean(sums[i], row_tokens[i / num_experts]);
+  prior[i] = moe_route::penalty::fixed_point_mean(sums[i], row_tokens[i / num_experts]);
 }
 
 }  // namespace detail

@@ -4,7 +4,7 @@
 //   cuda::backward(router, inputs, args, stream)       fused backward: dL/dz
 //   cuda::update_expert_bias(policy, bias, loads, E, stream)
 //
-// Same arguments and the same bits as moe_route::cpu (backend/cpu/route.hpp);
+// Same arguments and the same bits as moe_route::cpu (backend/cpu/route.hpp, backward.hpp);
 // all pointers are device pointers. Every call validates its arguments on the
 // host first (moe_route::error, nothing launched), then launches on `stream`:
 // no allocation, no synchronisation, no hidden state. A launch that fails
@@ -16,62 +16,24 @@
 // moe_route::bfloat16 (and __half as moe_route::float16).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
 
-#include "../../router.hpp"
-#include "../../selection/expert_bias.hpp"
-#include "../../types.hpp"
-#include "../../validate.hpp"
-#include "agent_common.cuh"
-#include "dispatch.cuh"
-#include "error.cuh"
-#include "kernels.cuh"
-#include "training.cuh"
-#include "tuning.cuh"
-
-namespace moe_route::detail {
-// CUDA's 16-bit types are accepted as logits wherever the CUDA backend is included.
-template <>
-inline constexpr bool is_logit_type<__nv_bfloat16> = true;
-template <>
-inline constexpr bool is_logit_type<__half> = true;
-}  // namespace moe_route::detail
+#include <moe_route/backend/cuda/detail/agent_common.cuh>
+#include <moe_route/backend/cuda/detail/error.cuh>
+#include <moe_route/backend/cuda/detail/kernels.cuh>
+#include <moe_route/backend/cuda/detail/launch.cuh>
+#include <moe_route/backend/cuda/detail/storage.cuh>
+#include <moe_route/backend/cuda/detail/training.cuh>
+#include <moe_route/backend/cuda/detail/tuning.cuh>
+#include <moe_route/detail/validate.hpp>
+#include <moe_route/router.hpp>
+#include <moe_route/selection/expert_bias.hpp>
+#include <moe_route/types.hpp>
 
 namespace moe_route::cuda {
-
-namespace detail {
-
-template <class T>
-struct storage {
-  using type = T;
-};
-template <>
-struct storage<__nv_bfloat16> {
-  using type = bfloat16;
-};
-template <>
-struct storage<__half> {
-  using type = float16;
-};
-template <class T>
-using storage_t = typename storage<T>::type;
-
-static_assert(sizeof(__nv_bfloat16) == sizeof(bfloat16) && alignof(__nv_bfloat16) >= alignof(bfloat16),
-              "__nv_bfloat16 and moe_route::bfloat16 must share a layout");
-static_assert(sizeof(__half) == sizeof(float16) && alignof(__half) >= alignof(float16),
-              "__half and moe_route::float16 must share a layout");
-
-template <class T>
-const storage_t<T>* storage_pointer(const T* p) {
-  return reinterpret_cast<const storage_t<T>*>(p);
-}
-
-}  // namespace detail
 
 // Forward: out.indices[N x K] (descending key order, ties to the lower expert)
 // and out.gates[N x K]; if out.nonfinite_rows is set, the number of rows with a
@@ -98,7 +60,7 @@ void route(const Router& r, const route_inputs<T>& in, const route_outputs& out,
   }
   detail::route_params<S> p{detail::storage_pointer(in.logits), in.num_tokens, in.num_experts, in.expert_bias,
                             out.indices, out.gates, detail::make_group_layout(r, in.num_experts)};
-  detail::dispatch_route(r, p, out.nonfinite_rows, stream);
+  detail::launch_route(r, p, out.nonfinite_rows, stream);
 }
 
 // Fused backward: args.grad_logits[N x E] (overwritten) from args.grad_gates
@@ -120,7 +82,7 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
   }
   detail::backward_params<S> p{detail::storage_pointer(in.logits), in.num_tokens, in.num_experts,
                                args.indices, args.grad_gates, args.grad_logits};
-  detail::dispatch_backward(detail::backward_router(r), p, stream);
+  detail::launch_backward(detail::backward_router(r), p, stream);
 }
 
 // selection::expert_bias::update on the device: bias[e] += u * sign(mean - loads[e])

@@ -12,8 +12,8 @@
 #include <cstdint>
 #include <string>
 
-#include "../../penalty/router_l2.hpp"
-#include "error.cuh"
+#include <moe_route/backend/cuda/detail/error.cuh>
+#include <moe_route/penalty/router_l2.hpp>
 
 namespace moe_route::cuda {
 

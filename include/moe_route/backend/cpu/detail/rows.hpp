@@ -1,0 +1,380 @@
+// moe_route CPU backend: one token's forward and backward (selection, gates,
+// the prior policies, admitted gates), over per-worker scratch buffers.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include <moe_route/admission/gates.hpp>
+#include <moe_route/admission/scores.hpp>
+#include <moe_route/backend/cpu/detail/simd.hpp>
+#include <moe_route/backend/cpu/detail/training.hpp>
+#include <moe_route/config.hpp>
+#include <moe_route/detail/numerics.hpp>
+#include <moe_route/router.hpp>
+#include <moe_route/types.hpp>
+
+MOE_ROUTE_CPU_SIMD_WARNINGS_OFF
+
+namespace moe_route::cpu::detail {
+
+// Per-worker row buffers, sized for the general path (E <= 4096).
+struct row_scratch {
+  float v[max_experts];               // sanitised logits
+  float t[max_experts];               // softmax terms exp(v - max), or scores
+  std::uint64_t keys[max_experts];    // packed selection keys
+  std::uint32_t order[max_experts];   // order-preserving images of the keys
+  std::uint64_t candidates[max_experts];           // packed keys that can be among the top K
+  std::int32_t candidate_experts[max_experts + 16];  // their experts (+16: vector stores)
+  float biased[max_experts];          // z + beta b of a token under log_prior_bias
+  penalty_scratch penalties;          // the penalties' row buffers
+};
+
+// The k largest packed keys (order[e], then the lower e), descending: the
+// result of top_keys over every packed key, found by ranking only the few
+// keys at or above a lane bound. `keys` holds the packed keys when some are
+// masked to 0 (group-limited selection; their order is 0 too), else nullptr.
+inline void select_top(const std::uint32_t* order, const std::uint64_t* keys, int n, int k, std::uint64_t* best,
+                       row_scratch& s) {
+  constexpr int small = 16, large = 32, max_ranked = 64;
+  std::uint32_t bound = 0;
+  if (k <= small && n >= 2 * small)
+    bound = lane_bound<small>(order, n, k);
+  else if (n >= 2 * large)
+    bound = lane_bound<large>(order, n, k);
+  if (bound == 0) {  // short rows, or fewer than k lanes with a key
+    if (keys == nullptr) {
+      for (int e = 0; e < n; ++e) s.keys[e] = packed_key(order, e);
+      keys = s.keys;
+    }
+    top_keys(keys, n, k, best);
+    return;
+  }
+  // Candidates have order >= bound > 0: never masked, packed key = packed_key().
+  const int count = compact_at_least(order, n, bound, s.candidate_experts);
+  std::uint64_t* candidates = s.candidates;
+  for (int i = 0; i < count; ++i) candidates[i] = packed_key(order, s.candidate_experts[i]);
+  if (count > max_ranked) {
+    top_keys(candidates, count, k, best);
+    return;
+  }
+  // Rank the (unique) candidates against each other, branch-free.
+  std::uint64_t slots[max_top_k + 1];
+#if defined(__AVX512F__)
+  if (count <= 16) {
+    const __mmask8 lo = static_cast<__mmask8>(count >= 8 ? 0xffu : (1u << count) - 1u);
+    const __mmask8 hi = static_cast<__mmask8>(count >= 16 ? 0xffu : count <= 8 ? 0u : (1u << (count - 8)) - 1u);
+    const __m512i c0 = _mm512_maskz_loadu_epi64(lo, candidates);  // absent lanes are 0, below every key
+    const __m512i c1 = _mm512_maskz_loadu_epi64(hi, candidates + 8);
+    for (int i = 0; i < count; ++i) {
+      const __m512i ci = _mm512_set1_epi64(static_cast<long long>(candidates[i]));
+      const int rank = popcount16(_mm512_cmpgt_epu64_mask(c0, ci)) + popcount16(_mm512_cmpgt_epu64_mask(c1, ci));
+      slots[rank < k ? rank : k] = candidates[i];
+    }
+    for (int j = 0; j < k; ++j) best[j] = slots[j];
+    return;
+  }
+#elif defined(__AVX2__)
+  if (count <= 16) {
+    const __m256i flip = _mm256_set1_epi64x(static_cast<long long>(0x8000000000000000ull));  // unsigned as signed
+    const __m256i iota = _mm256_setr_epi64x(0, 1, 2, 3);
+    __m256i c[4];  // absent lanes load 0, which flips to the smallest value
+    for (int q = 0; q < 4; ++q) {
+      const __m256i in = _mm256_cmpgt_epi64(_mm256_set1_epi64x(count - 4 * q), iota);
+      c[q] = _mm256_xor_si256(_mm256_maskload_epi64(reinterpret_cast<const long long*>(candidates + 4 * q), in), flip);
+    }
+    for (int i = 0; i < count; ++i) {
+      const __m256i ci = _mm256_set1_epi64x(static_cast<long long>(candidates[i] ^ 0x8000000000000000ull));
+      int rank = 0;
+      for (int q = 0; q < 4; ++q)
+        rank += popcount16(static_cast<unsigned>(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(c[q], ci)))));
+      slots[rank < k ? rank : k] = candidates[i];
+    }
+    for (int j = 0; j < k; ++j) best[j] = slots[j];
+    return;
+  }
+#endif
+  for (int i = 0; i < count; ++i) {
+    int rank = 0;
+    for (int j = 0; j < count; ++j) rank += candidates[j] > candidates[i] ? 1 : 0;
+    slots[rank < k ? rank : k] = candidates[i];
+  }
+  for (int j = 0; j < k; ++j) best[j] = slots[j];
+}
+
+// Group-limited selection: zero the keys of every expert outside the
+// top_groups best groups (group score = sum of its per_group_k best keys,
+// added in descending order).
+template <class Grouped>
+void mask_groups(const Grouped& g, std::uint64_t* keys, int num_experts) {
+  const int size = num_experts / g.groups;
+  std::uint64_t group_keys[moe_route::detail::reduction_lanes];
+  std::uint64_t best[max_experts];
+  for (int grp = 0; grp < g.groups; ++grp) {
+    top_keys(keys + grp * size, size, g.per_group_k, best);
+    float score = 0.0f;
+    for (int j = 0; j < g.per_group_k; ++j) score += moe_route::detail::packed_value(best[j]);
+    group_keys[grp] = moe_route::detail::pack_key(score, grp);
+  }
+  std::uint64_t kept[moe_route::detail::reduction_lanes];
+  top_keys(group_keys, g.groups, g.top_groups, kept);
+  bool keep[moe_route::detail::reduction_lanes] = {};
+  for (int j = 0; j < g.top_groups; ++j) keep[moe_route::detail::packed_expert(kept[j])] = true;
+  for (int e = 0; e < num_experts; ++e)
+    if (!keep[e / size]) keys[e] = 0;
+}
+
+// The sanitised logits of one row and whether the row held NaN or +-inf.
+// Sanitising changes only non-finite values, so a finite fp32 row is used in
+// place; other rows are converted (and sanitised if needed) into buf.
+template <class T>
+const float* load_row(const T* z, int num_experts, float* buf, bool& nonfinite) {
+  const float* v;
+  if constexpr (std::is_same_v<T, float>) {
+    v = z;
+  } else {
+    for (int e = 0; e < num_experts; ++e) buf[e] = moe_route::detail::to_float(z[e]);
+    v = buf;
+  }
+  nonfinite = any_nonfinite(v, num_experts);
+  if (nonfinite) {
+    for (int e = 0; e < num_experts; ++e) buf[e] = moe_route::detail::sanitize(v[e]);
+    v = buf;
+  }
+  return v;
+}
+
+// Row state shared by forward and backward: sanitised logits, and for
+// row_softmax the terms and their canonical sum.
+template <class Router, class T>
+struct row_state {
+  using G = typename Router::gating_type;
+  row_scratch& s;
+  const float* v;  // sanitised logits
+  int num_experts;
+  float sum = 0.0f;
+  bool nonfinite = false;
+
+  row_state(row_scratch& scratch, const T* z, int e_count) : s(scratch), num_experts(e_count) {
+    v = load_row(z, num_experts, s.v, nonfinite);
+    if constexpr (G::shape == gating::kind::row_softmax) {
+      const float m = row_max(v, num_experts);
+      for (int e = 0; e < num_experts; ++e) s.t[e] = G::term(v[e], m);
+      sum = lane_sum(s.t, num_experts);
+    }
+  }
+
+  // The gating score of expert e (the logit itself for selected_softmax).
+  float score(int e) const {
+    if constexpr (G::shape == gating::kind::row_softmax)
+      return sum > 0.0f ? moe_route::detail::div(s.t[e], sum) : 0.0f;
+    else if constexpr (G::shape == gating::kind::elementwise)
+      return G::score(v[e]);
+    else
+      return v[e];
+  }
+};
+
+template <class Router, class T>
+bool route_row(const Router& r, const T* z, int num_experts, std::int64_t token, const float* bias,
+               row_scratch& scratch, std::int32_t* indices, float* gates) {
+  using G = typename Router::gating_type;
+  using S = typename Router::selection_type;
+  const int k = r.top_k;
+  row_state<Router, T> row(scratch, z, num_experts);
+  const float* v = row.v;
+
+  int chosen[Router::max_k];
+  float selected[Router::max_k] = {};  // zeroed: silences a GCC -Wmaybe-uninitialized false positive
+  if constexpr (S::shape == selection::kind::fixed) {
+    for (int j = 0; j < k; ++j) chosen[j] = S::expert(token, j, k, num_experts);
+    for (int j = 0; j < k; ++j) selected[j] = row.score(chosen[j]);
+  } else {
+    const float neg_inf = -moe_route::detail::infinity();
+    std::uint32_t* order = scratch.order;
+    if constexpr (!S::needs_scores && !S::needs_expert_bias) {
+      // Keys from the logits alone (top_k: the logit, -inf for a NaN logit).
+      for (int e = 0; e < num_experts; ++e)
+        order[e] = ordered_key(v[e] != neg_inf ? S::key(v[e], 0.0f, 0.0f) : neg_inf);
+    } else {
+      // Scores of every expert first (kept for the gates), then the keys; a
+      // NaN logit (v = -inf) ranks below every number whatever its key.
+      float* scores = scratch.t;
+      if constexpr (G::shape == gating::kind::row_softmax) {
+        if (row.sum > 0.0f)
+          for (int e = 0; e < num_experts; ++e) scores[e] = moe_route::detail::div(scratch.t[e], row.sum);
+        else
+          for (int e = 0; e < num_experts; ++e) scores[e] = 0.0f;
+      } else if constexpr (G::shape == gating::kind::elementwise) {
+        for (int e = 0; e < num_experts; ++e) scores[e] = G::score(v[e]);
+      } else {
+        for (int e = 0; e < num_experts; ++e) scores[e] = 0.0f;
+      }
+      for (int e = 0; e < num_experts; ++e) {
+        const float sc = S::needs_scores ? scores[e] : 0.0f;
+        const float b = S::needs_expert_bias ? bias[e] : 0.0f;
+        const float key = S::key(v[e], sc, b);
+        order[e] = ordered_key(v[e] != neg_inf ? key : neg_inf);
+      }
+    }
+    std::uint64_t best[Router::max_k];
+    if constexpr (S::shape == selection::kind::grouped) {
+      std::uint64_t* keys = scratch.keys;
+      for (int e = 0; e < num_experts; ++e) keys[e] = packed_key(order, e);
+      mask_groups(r.selection, keys, num_experts);
+      for (int e = 0; e < num_experts; ++e) order[e] = static_cast<std::uint32_t>(keys[e] >> 32);
+      select_top(order, keys, num_experts, k, best, scratch);
+    } else {
+      select_top(order, nullptr, num_experts, k, best, scratch);
+    }
+    for (int j = 0; j < k; ++j) chosen[j] = moe_route::detail::packed_expert(best[j]);
+    if constexpr (S::needs_scores || S::needs_expert_bias) {
+      if constexpr (G::shape != gating::kind::selected_softmax) {
+        for (int j = 0; j < k; ++j) selected[j] = scratch.t[chosen[j]];
+      } else {
+        for (int j = 0; j < k; ++j) selected[j] = row.score(chosen[j]);
+      }
+    } else {
+      for (int j = 0; j < k; ++j) selected[j] = row.score(chosen[j]);
+    }
+  }
+
+  for (int j = 0; j < k; ++j) indices[j] = chosen[j];
+  moe_route::detail::gate_weights(r, selected, gates, k);
+  return row.nonfinite;
+}
+
+// Gate weights of the experts in indices[0..K) from the unbiased logits z (the
+// prior policies' gates); returns whether the row held NaN or +-inf.
+template <class Router, class T>
+bool gates_at(const Router& r, const T* z, int num_experts, const std::int32_t* indices, row_scratch& scratch,
+              float* gates) {
+  row_state<Router, T> row(scratch, z, num_experts);
+  float selected[Router::max_k] = {};
+  for (int j = 0; j < r.top_k; ++j) selected[j] = row.score(indices[j]);
+  moe_route::detail::gate_weights(r, selected, gates, r.top_k);
+  return row.nonfinite;
+}
+
+// One token of the forward, with the router's prior policy where it acts.
+template <class Router, class T>
+bool route_token(const Router& r, const route_inputs<T>& in, std::int64_t t, row_scratch& scratch,
+                 std::int32_t* indices, float* gates) {
+  const int num_experts = in.num_experts;
+  const T* z = in.logits + t * num_experts;
+  if constexpr (Router::has_prior) {
+    if (prior_active(r, in, t)) {
+      const float* b = in.prior_bias + std::int64_t{in.token_prior_row[t]} * num_experts;
+      if constexpr (Router::template has<prior::log_prior_bias>) {
+        const auto& policy = get<prior::log_prior_bias>(r);
+        const bool nonfinite = biased_row(z, b, policy.beta, num_experts, scratch.biased);
+        route_row(r, scratch.biased, num_experts, t, in.expert_bias, scratch, indices, gates);
+        if (!policy.bias_gates) gates_at(r, z, num_experts, indices, scratch, gates);
+        return nonfinite;
+      } else {  // prior_override: the K largest prior biases, ties to the lower expert
+        for (int e = 0; e < num_experts; ++e) scratch.order[e] = ordered_key(b[e]);
+        std::uint64_t best[Router::max_k];
+        select_top(scratch.order, nullptr, num_experts, r.top_k, best, scratch);
+        for (int j = 0; j < r.top_k; ++j) indices[j] = moe_route::detail::packed_expert(best[j]);
+        return gates_at(r, z, num_experts, indices, scratch, gates);
+      }
+    }
+  }
+  return route_row(r, z, num_experts, t, in.expert_bias, scratch, indices, gates);
+}
+
+template <class Router, class T>
+void backward_row(const Router& r, const T* z, int num_experts, const std::int32_t* indices, const float* dw,
+                  row_scratch& scratch, float* dz) {
+  using G = typename Router::gating_type;
+  const int k = r.top_k;
+  float selected[Router::max_k] = {};  // zeroed: silences a GCC -Wmaybe-uninitialized false positive
+  float dsel[Router::max_k];
+
+  if constexpr (G::shape == gating::kind::row_softmax) {
+    row_state<Router, T> row(scratch, z, num_experts);
+    for (int j = 0; j < k; ++j) selected[j] = row.score(indices[j]);
+    moe_route::detail::gate_weights_vjp(r, selected, dw, dsel, k);
+    float dot = 0.0f;  // <ds, s>, nonzero terms only at the selected experts
+    for (int j = 0; j < k; ++j) dot = moe_route::detail::fma(dsel[j], selected[j], dot);
+    const float neg_dot = -dot;
+    if (row.sum > 0.0f) {
+      const float sum = row.sum;
+      for (int e = 0; e < num_experts; ++e) dz[e] = moe_route::detail::div(scratch.t[e], sum) * neg_dot;
+    } else {
+      for (int e = 0; e < num_experts; ++e) dz[e] = 0.0f * neg_dot;
+    }
+    for (int j = 0; j < k; ++j) dz[indices[j]] = selected[j] * (dsel[j] - dot);
+  } else {
+    // Elementwise and selected-softmax gradients are nonzero only at the
+    // selected experts. The whole row is still loaded: that measured faster
+    // than K scattered loads (the sequential loads keep the prefetcher busy).
+    float v[Router::max_k];
+    row_state<Router, T> row(scratch, z, num_experts);
+    for (int j = 0; j < k; ++j) v[j] = row.v[indices[j]];
+    for (int j = 0; j < k; ++j) {
+      if constexpr (G::shape == gating::kind::elementwise)
+        selected[j] = G::score(v[j]);
+      else
+        selected[j] = v[j];
+    }
+    moe_route::detail::gate_weights_vjp(r, selected, dw, dsel, k);
+    for (int e = 0; e < num_experts; ++e) dz[e] = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      if constexpr (G::shape == gating::kind::elementwise)
+        dz[indices[j]] = dsel[j] * G::derivative(v[j], selected[j]);
+      else
+        dz[indices[j]] = dsel[j];
+    }
+  }
+}
+
+// The backward of one token whose gates were admitted (admission/gates.hpp):
+// the gate inputs sigma (routed experts) and phi (rerouted experts) from the
+// sanitised row v, their VJP, then the gating's VJP into dz.
+template <class Router>
+void admitted_backward_row(const Router& r, const float* v, int num_experts, const std::int32_t* routed,
+                           const std::int32_t* admitted, bool renormalize, const float* dg, row_scratch& scratch,
+                           float* dz) {
+  namespace num = moe_route::detail;
+  using namespace moe_route::admission;
+  using G = typename Router::gating_type;
+  const int k = r.top_k;
+  row_stats st;
+  if constexpr (gate_input_needs_row<G>) st = softmax_row_stats(v, num_experts, scratch.t);
+  float sigma[max_top_k] = {}, phi[max_top_k] = {};  // zeroed: silences a GCC -Wmaybe-uninitialized false positive
+  float d_sigma[max_top_k], d_phi[max_top_k];
+  bool rerouted[max_top_k];
+  for (int j = 0; j < k; ++j) {
+    rerouted[j] = status_of(routed[j], admitted[j]) == slot_status::rerouted;
+    sigma[j] = gate_input<G>(v[routed[j]], st);
+    phi[j] = rerouted[j] ? gate_input<G>(v[admitted[j]], st) : 0.0f;
+  }
+  admitted_gate_weights_vjp(r, sigma, phi, routed, admitted, renormalize, dg, d_sigma, d_phi, k);
+  if constexpr (G::shape == gating::kind::row_softmax) {
+    float dot = 0.0f;  // <ds, s> over the nonzero entries: routed slots, then rerouted ones
+    for (int j = 0; j < k; ++j) dot = num::fma(d_sigma[j], sigma[j], dot);
+    for (int j = 0; j < k; ++j)
+      if (rerouted[j]) dot = num::fma(d_phi[j], phi[j], dot);
+    for (int e = 0; e < num_experts; ++e) dz[e] = gate_input<G>(v[e], st) * -dot;
+    for (int j = 0; j < k; ++j) dz[routed[j]] = sigma[j] * (d_sigma[j] - dot);
+    for (int j = 0; j < k; ++j)
+      if (rerouted[j]) dz[admitted[j]] = phi[j] * (d_phi[j] - dot);
+  } else {
+    for (int e = 0; e < num_experts; ++e) dz[e] = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      if constexpr (G::shape == gating::kind::elementwise) {
+        dz[routed[j]] = d_sigma[j] * G::derivative(v[routed[j]], sigma[j]);
+        if (rerouted[j]) dz[admitted[j]] = d_phi[j] * G::derivative(v[admitted[j]], phi[j]);
+      } else {
+        dz[routed[j]] = d_sigma[j];
+        if (rerouted[j]) dz[admitted[j]] = d_phi[j];
+      }
+    }
+  }
+}
+
+}  // namespace moe_route::cpu::detail
+
+MOE_ROUTE_CPU_SIMD_WARNINGS_ON

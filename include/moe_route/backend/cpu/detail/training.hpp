@@ -1,0 +1,395 @@
+// moe_route: the training policies on the CPU backend: the prior policies'
+// row transforms and the penalties' forward sums, values and fused gradients
+// (docs/policies.md sections 3 and 5; the layout is training/workspace.hpp).
+//
+// Per token the penalties see the unbiased logits. The row math is float with
+// the shared bit-reproducible functions, every row sum in the canonical
+// 32-lane order (float for gradients, double for values), so the CUDA backend
+// can reproduce it bit for bit; cross-token sums are fixed point (order-free)
+// or chunked in a fixed order.
+#pragma once
+
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include <moe_route/config.hpp>
+#include <moe_route/detail/numerics.hpp>
+#include <moe_route/detail/reduction.hpp>
+#include <moe_route/detail/validate.hpp>
+#include <moe_route/gating/gating.hpp>
+#include <moe_route/router.hpp>
+#include <moe_route/training/finalize.hpp>
+#include <moe_route/training/workspace.hpp>
+#include <moe_route/types.hpp>
+
+namespace moe_route::cpu::detail {
+
+namespace num = moe_route::detail;
+
+// Whether the router's prior policy acts on token t of this call.
+template <class Router, class T>
+bool prior_active(const Router& r, const route_inputs<T>& in, std::int64_t t) {
+  if constexpr (!Router::has_prior) {
+    return false;
+  } else {
+    if (in.mode != mode::train || in.token_prior_row[t] < 0) return false;
+    if constexpr (Router::template has<prior::log_prior_bias>)
+      return get<prior::log_prior_bias>(r).beta != 0.0f;  // beta = 0 is plain routing, bit for bit
+    return true;
+  }
+}
+
+// z' = z + beta * b[r(t)] into out (not sanitised); returns whether z held a
+// NaN or +-inf (the row's non-finite status is that of the logits, not of z').
+template <class T>
+bool biased_row(const T* z, const float* b, float beta, int num_experts, float* out) {
+  int bad = 0;
+  for (int e = 0; e < num_experts; ++e) {
+    const float x = num::to_float(z[e]);
+    bad |= !num::is_finite(x);
+    out[e] = num::fma(beta, b[e], x);
+  }
+  return bad != 0;
+}
+
+// Double sum of term(e) over e < n in the canonical lane order.
+template <class Term>
+double lane_sum_double(int n, Term term) {
+  double lanes[num::reduction_lanes] = {};
+  for (int e = 0; e < n; ++e) lanes[e % num::reduction_lanes] += term(e);
+  for (int offset = num::reduction_lanes / 2; offset > 0; offset >>= 1)
+    for (int l = 0; l < offset; ++l) lanes[l] = lanes[l] + lanes[l + offset];
+  return lanes[0];
+}
+
+// <g, p> in float, canonical lane order, each product fused into its lane.
+inline float lane_dot(const float* g, const float* p, int n) {
+  float lanes[num::reduction_lanes] = {};
+  for (int e = 0; e < n; ++e) lanes[e % num::reduction_lanes] = num::fma(g[e], p[e], lanes[e % num::reduction_lanes]);
+  for (int offset = num::reduction_lanes / 2; offset > 0; offset >>= 1)
+    for (int l = 0; l < offset; ++l) lanes[l] = lanes[l] + lanes[l + offset];
+  return lanes[0];
+}
+
+struct penalty_scratch {
+  float v[max_experts];  // sanitised unbiased logits
+  float s[max_experts];  // scores (elementwise gating) or softmax terms
+  float p[max_experts];  // the routing distribution
+  float q[max_experts];  // softmax(z) for z_loss when the gating is not a softmax
+  float g[max_experts];  // dL/dp of the distribution-space penalties
+};
+
+// One token's unbiased statistics: the distribution p = s / norm, the softmax
+// log-normaliser lse when z_loss needs it.
+template <class Router>
+struct penalty_row {
+  using G = typename Router::gating_type;
+  static constexpr bool softmax_like = G::shape != gating::kind::elementwise;
+  penalty_scratch& sc;
+  int n;
+  float row_max = 0.0f, norm = 0.0f, lse = 0.0f;
+  bool valid = false;
+
+  // The row is valid when its logits are finite and its scores do not all
+  // vanish: every score is increasing in the logit, so the sum of the scores
+  // is positive iff the largest logit's score is (a softmax row always is).
+  // The distribution is computed only when a penalty needs it (the
+  // distribution-space penalties, kl_to_base; z_loss under a softmax gating).
+  template <class T>
+  penalty_row(penalty_scratch& scratch, const T* z, int num_experts, bool need_distribution, bool need_lse)
+      : sc(scratch), n(num_experts) {
+    int bad = 0;
+    for (int e = 0; e < n; ++e) {
+      const float x = num::to_float(z[e]);
+      bad |= !num::is_finite(x);
+      sc.v[e] = x;
+    }
+    if (bad != 0) return;
+    row_max = -num::float_max;
+    for (int e = 0; e < n; ++e) row_max = num::max(row_max, sc.v[e]);
+    if constexpr (!softmax_like) {
+      if (!(G::score(row_max) > 0.0f)) return;
+    }
+    valid = true;
+    if (need_distribution || (softmax_like && need_lse)) {
+      if constexpr (softmax_like) {
+        for (int e = 0; e < n; ++e) sc.s[e] = num::exp(sc.v[e] - row_max);
+      } else {
+        for (int e = 0; e < n; ++e) sc.s[e] = G::score(sc.v[e]);
+      }
+      norm = num::canonical_sum(sc.s, n);
+      for (int e = 0; e < n; ++e) sc.p[e] = num::div(sc.s[e], norm);
+    }
+    if (need_lse) {
+      if constexpr (softmax_like) {
+        lse = row_max + num::log(norm);
+      } else {
+        for (int e = 0; e < n; ++e) sc.q[e] = num::exp(sc.v[e] - row_max);
+        const float sum = num::canonical_sum(sc.q, n);
+        lse = row_max + num::log(sum);
+        for (int e = 0; e < n; ++e) sc.q[e] = num::div(sc.q[e], sum);
+      }
+    }
+  }
+
+  // softmax(z)_e, for z_loss.
+  const float* softmax() const { return softmax_like ? sc.p : sc.q; }
+
+  float log_p(int e, float log_norm) const {
+    if constexpr (softmax_like)
+      return (sc.v[e] - row_max) - log_norm;
+    else
+      return G::log_score(sc.v[e]) - log_norm;
+  }
+
+  // KL(pi || p) in double (canonical lane order).
+  double kl(const float* pi) const {
+    const float log_norm = num::log(norm);
+    return lane_sum_double(n, [&](int e) {
+      const float d = num::log(pi[e]) - log_p(e, log_norm);
+      return static_cast<double>(pi[e]) * static_cast<double>(d);  // exact in double
+    });
+  }
+
+  // The centred difference delta = center(z - b) in double: mean, then entries.
+  double delta_mean(const float* b) const {
+    return lane_sum_double(n, [&](int e) { return static_cast<double>(sc.v[e] - b[e]); }) / n;
+  }
+  double delta_squared(const float* b, double mean) const {
+    double lanes[num::reduction_lanes] = {};
+    for (int e = 0; e < n; ++e) {
+      const double c = static_cast<double>(sc.v[e] - b[e]) - mean;
+      lanes[e % num::reduction_lanes] = std::fma(c, c, lanes[e % num::reduction_lanes]);
+    }
+    for (int offset = num::reduction_lanes / 2; offset > 0; offset >>= 1)
+      for (int l = 0; l < offset; ++l) lanes[l] = lanes[l] + lanes[l + offset];
+    return lanes[0];
+  }
+
+  // dz += VJP of p at g (dL/dp): softmax p (g - <g,p>); elementwise
+  // (g - <g,p>) / norm * ds/dz.
+  void add_distribution_grad(const float* g, float* dz) const {
+    const float dot = lane_dot(g, sc.p, n);
+    for (int e = 0; e < n; ++e) {
+      if constexpr (softmax_like)
+        dz[e] = num::fma(sc.p[e], g[e] - dot, dz[e]);
+      else
+        dz[e] = num::fma(num::div(g[e] - dot, norm), G::derivative(sc.v[e], sc.s[e]), dz[e]);
+    }
+  }
+
+  // dz += w * dKL(pi || p)/dz: softmax w (p - pi); elementwise
+  // w (ds/dz / norm - pi d(log s)/dz).
+  void add_kl_grad(const float* pi, float w, float* dz) const {
+    for (int e = 0; e < n; ++e) {
+      if constexpr (softmax_like) {
+        dz[e] = num::fma(w, sc.p[e] - pi[e], dz[e]);
+      } else {
+        const float term = num::fma(-pi[e], G::log_derivative(sc.v[e]), num::div(G::derivative(sc.v[e], sc.s[e]), norm));
+        dz[e] = num::fma(w, term, dz[e]);
+      }
+    }
+  }
+
+  void add_logit_l2_grad(const float* b, double mean, float w, float* dz) const {
+    for (int e = 0; e < n; ++e) {
+      const float c = static_cast<float>(static_cast<double>(sc.v[e] - b[e]) - mean);
+      dz[e] = num::fma(w, c, dz[e]);
+    }
+  }
+
+  void add_z_loss_grad(float w, float* dz) const {
+    const float wl = w * lse;
+    const float* q = softmax();
+    for (int e = 0; e < n; ++e) dz[e] = num::fma(wl, q[e], dz[e]);
+  }
+};
+
+// What one worker accumulates in the forward; summed over workers afterwards
+// (integers: the result does not depend on the split).
+struct penalty_partials {
+  std::int64_t valid_tokens = 0, prior_tokens = 0;
+  std::vector<std::int64_t> distribution_sums, counts, sequence_sums, sequence_counts, sequence_tokens;
+};
+
+using penalty::workspace_view;
+
+template <class Router>
+bool counts_selections(const Router& r) {
+  if constexpr (Router::template has<penalty::load_balance>)
+    return get<penalty::load_balance>(r).over != penalty::load_balance::scope::global_batch;
+  return false;
+}
+
+// Sizes a worker's partial sums.
+template <class Router, class T>
+void prepare_partials(const Router& r, const route_inputs<T>& in, penalty_partials& part) {
+  const std::size_t E = static_cast<std::size_t>(in.num_experts);
+  if constexpr (penalty::penalty_traits<Router>::distribution_space) {
+    part.distribution_sums.assign(E, 0);
+    part.counts.assign(E, 0);
+    if (penalty::over_sequences(r)) {
+      const std::size_t seqs = static_cast<std::size_t>(in.num_sequences);
+      part.sequence_sums.assign(seqs * E, 0);
+      part.sequence_counts.assign(seqs * E, 0);
+      part.sequence_tokens.assign(seqs, 0);
+    }
+  }
+}
+
+// The forward of the penalties for token t: its per-token values into the
+// workspace, its sums into `part`.
+template <class Router, class T>
+void penalty_forward_row(const Router& r, const route_inputs<T>& in, const penalty::switches& on,
+                         const std::int32_t* indices, std::int64_t t, penalty_scratch& sc, penalty_partials& part,
+                         const workspace_view& ws) {
+  using traits = penalty::penalty_traits<Router>;
+  const int E = in.num_experts, k = r.top_k;
+  constexpr int columns = traits::scalar_penalties;
+  double* values = ws.token_values + t * columns;
+  for (int c = 0; c < columns; ++c) values[c] = 0.0;
+  penalty_row<Router> row(sc, in.logits + t * E, E, on.distribution || on.kl_to_base, traits::z_loss && on.z_loss);
+  if (!row.valid) return;
+  ++part.valid_tokens;
+  if (traits::distribution_space && on.distribution) {
+    for (int e = 0; e < E; ++e) part.distribution_sums[e] += penalty::to_fixed_point(sc.p[e]);
+    if (penalty::over_sequences(r)) {
+      const std::int64_t s = in.sequence_ids[t];
+      ++part.sequence_tokens[s];
+      for (int e = 0; e < E; ++e) part.sequence_sums[s * E + e] += penalty::to_fixed_point(sc.p[e]);
+      for (int j = 0; j < k; ++j) ++part.sequence_counts[s * E + indices[t * k + j]];
+    } else if (counts_selections(r)) {
+      for (int j = 0; j < k; ++j) ++part.counts[indices[t * k + j]];
+    }
+  }
+  if constexpr (traits::z_loss)
+    if (on.z_loss) values[traits::z_loss_column] = static_cast<double>(row.lse) * row.lse;
+  if constexpr (traits::kl_to_base || traits::logit_l2) {
+    const std::int32_t pr = in.token_prior_row[t];
+    if (pr < 0) return;
+    ++part.prior_tokens;
+    if constexpr (traits::kl_to_base)
+      if (on.kl_to_base) values[traits::kl_to_base_column] = row.kl(in.prior_probs + std::int64_t{pr} * E);
+    if constexpr (traits::logit_l2) {
+      if (on.logit_l2) {
+        const float* b = in.prior_bias + std::int64_t{pr} * E;
+        values[traits::logit_l2_column] = row.delta_squared(b, row.delta_mean(b));
+      }
+    }
+  }
+}
+
+// The workers' sums into the workspace (integer sums: any order gives the same).
+inline void reduce_partials(const std::vector<penalty_partials>& partials, const workspace_view& ws,
+                            const penalty::workspace_layout& layout, int num_experts, std::int32_t num_sequences) {
+  ws.header->valid_tokens = 0;
+  ws.header->prior_tokens = 0;
+  const auto add = [](std::int64_t* into, const std::vector<std::int64_t>& from, std::size_t n) {
+    if (into == nullptr) return;
+    for (std::size_t i = 0; i < n && i < from.size(); ++i) into[i] += from[i];
+  };
+  const std::size_t E = static_cast<std::size_t>(num_experts);
+  const std::size_t seqs = layout.sequence_tokens != 0 ? static_cast<std::size_t>(num_sequences) : 0;
+  for (std::int64_t* region : {ws.distribution_sums, ws.counts})
+    if (region != nullptr) std::fill(region, region + E, 0);
+  if (seqs > 0) {
+    std::fill(ws.sequence_sums, ws.sequence_sums + seqs * E, 0);
+    std::fill(ws.sequence_counts, ws.sequence_counts + seqs * E, 0);
+    std::fill(ws.sequence_tokens, ws.sequence_tokens + seqs, 0);
+  }
+  for (const penalty_partials& part : partials) {
+    ws.header->valid_tokens += part.valid_tokens;
+    ws.header->prior_tokens += part.prior_tokens;
+    add(ws.distribution_sums, part.distribution_sums, E);
+    add(ws.counts, part.counts, E);
+    if (seqs > 0) {
+      add(ws.sequence_sums, part.sequence_sums, seqs * E);
+      add(ws.sequence_counts, part.sequence_counts, seqs * E);
+      add(ws.sequence_tokens, part.sequence_tokens, seqs);
+    }
+  }
+}
+
+// The chunk totals of the per-token values (chunks of value_chunk tokens, each
+// summed in token order), as the CUDA backend computes them.
+template <class Router>
+void chunk_totals(const workspace_view& ws, std::int64_t num_tokens) {
+  constexpr int columns = penalty::penalty_traits<Router>::scalar_penalties;
+  for (std::int64_t base = 0, chunk = 0; base < num_tokens; base += penalty::value_chunk, ++chunk) {
+    const std::int64_t end = std::min(num_tokens, base + penalty::value_chunk);
+    for (int c = 0; c < columns; ++c) {
+      double total = 0.0;
+      for (std::int64_t t = base; t < end; ++t) total += ws.token_values[t * columns + c];
+      ws.chunk_values[chunk * columns + c] = total;
+    }
+  }
+}
+
+template <class Router>
+penalty::upstream_grads upstream_of(const backward_args& args) {
+  static_assert(Router::num_penalties <= 8, "at most 8 penalties");
+  penalty::upstream_grads up;
+  if (args.penalty_grads != nullptr)
+    for (int j = 0; j < Router::num_penalties; ++j) up.value[j] = args.penalty_grads[j];
+  return up;
+}
+
+// dL/dp shared by every token (and per sequence), from the forward's sums.
+template <class Router, class T>
+void distribution_grads(const Router& r, const route_inputs<T>& in, const penalty::upstream_grads& up,
+                        const workspace_view& ws) {
+  const penalty::training_state s = ws.state(r, in);
+  const int E = in.num_experts;
+  const int local = penalty::penalty_traits<Router>::locality ? penalty::detail::local_experts(s) : 0;
+  for (int e = 0; e < E; ++e) ws.expert_grad[e] = penalty::expert_grad(r, s, up, local, e);
+  if constexpr (penalty::penalty_traits<Router>::load_balance) {
+    if (!penalty::over_sequences(r)) return;
+    std::int64_t nonempty = 0;
+    for (std::int32_t q = 0; q < in.num_sequences; ++q) nonempty += ws.sequence_tokens[q] > 0 ? 1 : 0;
+    for (std::int32_t q = 0; q < in.num_sequences; ++q)
+      for (int e = 0; e < E; ++e) ws.sequence_grad[std::int64_t{q} * E + e] = penalty::sequence_grad(r, s, up, nonempty, q, e);
+  }
+}
+
+// Adds the penalties' gradients of token t to dz (its gate gradient). Order:
+// distribution-space (load_balance and locality together), kl_to_base,
+// logit_l2, z_loss.
+template <class Router, class T>
+void penalty_backward_row(const Router& r, const route_inputs<T>& in, const penalty::switches& on,
+                          const penalty::token_weights& w, const workspace_view& ws, std::int64_t t,
+                          penalty_scratch& sc, float* dz) {
+  using traits = penalty::penalty_traits<Router>;
+  const int E = in.num_experts;
+  penalty_row<Router> row(sc, in.logits + t * E, E, on.distribution || on.kl_to_base, traits::z_loss && on.z_loss);
+  if (!row.valid) return;
+  if (traits::distribution_space && on.distribution) {
+    const float* g = ws.expert_grad;
+    if (penalty::over_sequences(r)) {
+      const float* gs = ws.sequence_grad + std::int64_t{in.sequence_ids[t]} * E;
+      for (int e = 0; e < E; ++e) sc.g[e] = gs[e] + g[e];
+      g = sc.g;
+    }
+    row.add_distribution_grad(g, dz);
+  }
+  if constexpr (traits::kl_to_base || traits::logit_l2) {
+    const std::int32_t pr = in.token_prior_row[t];
+    if (pr >= 0) {
+      if constexpr (traits::kl_to_base)
+        if (on.kl_to_base) row.add_kl_grad(in.prior_probs + std::int64_t{pr} * E, w.kl_to_base, dz);
+      if constexpr (traits::logit_l2) {
+        if (on.logit_l2) {
+          const float* b = in.prior_bias + std::int64_t{pr} * E;
+          row.add_logit_l2_grad(b, row.delta_mean(b), w.logit_l2, dz);
+        }
+      }
+    }
+  }
+  if constexpr (traits::z_loss)
+    if (on.z_loss) row.add_z_loss_grad(w.z_loss, dz);
+}
+
+}  // namespace moe_route::cpu::detail

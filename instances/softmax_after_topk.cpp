@@ -1,5 +1,0 @@
-// The runtime router calls for softmax_after_topk gating, compiled once for the project's own
-// executables (instances/README.md).
-#include <moe_route/runtime_instantiate.hpp>
-
-MOE_ROUTE_RUNTIME_INSTANTIATE(, moe_route::gating::softmax_after_topk)

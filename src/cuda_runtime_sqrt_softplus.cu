@@ -1,0 +1,5 @@
+// The runtime router calls on the CUDA backend for sqrt_softplus gating, compiled once into
+// moe_route::cuda_runtime (src/README.md).
+#include <moe_route/runtime/detail/cuda_instantiate.cuh>
+
+MOE_ROUTE_CUDA_RUNTIME_INSTANTIATE(, moe_route::gating::sqrt_softplus)
