@@ -246,6 +246,20 @@ TEST_CASE("runtime configuration errors name the field or the missing input") {
   // the same configuration in evaluation needs nothing: every policy is off
   in.mode = mr::mode::eval;
   CHECK_NOTHROW(run_runtime<mr::gating::softmax>(c, in, dw));
+  // and an empty batch needs nothing either, as a typed router's call does not
+  in.mode = mr::mode::train;
+  in.num_tokens = 0;
+  c = rt::router_config{};
+  c.kl_to_base.coefficient = 1e-2f;
+  c.prior = rt::prior_kind::log_prior_bias;
+  CHECK_NOTHROW(run_runtime<mr::gating::softmax>(c, in, dw));
+  mr::route_inputs<float> typed_in = in;
+  const auto typed = rt::make_router<mr::gating::softmax, mr::selection::top_k, mr::prior::log_prior_bias>(c);
+  std::vector<double> typed_values(rt::num_penalties, -1.0);
+  mr::route_outputs typed_out{nullptr, nullptr};
+  typed_out.penalty_values = typed_values.data();
+  CHECK_NOTHROW(mr::cpu::route(typed, typed_in, typed_out));
+  in.num_tokens = 8;
 
   rt::admission_config a;
   a.dropless = false;

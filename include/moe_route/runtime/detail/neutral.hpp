@@ -31,7 +31,8 @@ inline missing_inputs find_missing(const router_config& c, const route_inputs<fl
   missing_inputs m;
   if (in.num_experts < 1) return m;  // the backend names the bad E
   const bool prior_on = c.prior != prior_kind::none && !(c.prior == prior_kind::log_prior_bias && c.prior_bias.beta == 0.0f);
-  const bool train = in.mode == mode::train;
+  // With no tokens nothing is read, so nothing is required (as for a typed router).
+  const bool train = in.mode == mode::train && in.num_tokens > 0;
   if (in.token_prior_row == nullptr) {
     if (train && (prior_on || c.kl_to_base.coefficient != 0.0f || c.logit_l2.coefficient != 0.0f))
       fail("token_prior_row is null, but the router's prior policy or a prior-space penalty (kl_to_base, "
