@@ -169,14 +169,16 @@ MOE_ROUTE_HD void gate_weights_vjp(const Router& r, const float* selected, const
       dsel[j] = sum > 0.0f ? div(dsel[j], sum) : 0.0f;
       dot = fma(dsel[j], scale * dw[j], dot);
     }
-    for (int j = 0; j < k; ++j) dsel[j] = dsel[j] * fma(scale, dw[j], -dot);
+    const float neg_dot = negate(dot);  // not -dot: see detail::negate
+    for (int j = 0; j < k; ++j) dsel[j] = dsel[j] * fma(scale, dw[j], neg_dot);
   } else if (r.normalize) {
     float sum = 0.0f;
     for (int j = 0; j < k; ++j) sum += selected[j];
     sum += 1e-20f;
     float dot = 0.0f;  // <g, s / S>
     for (int j = 0; j < k; ++j) dot = fma(scale * dw[j], div(selected[j], sum), dot);
-    for (int j = 0; j < k; ++j) dsel[j] = div(fma(scale, dw[j], -dot), sum);
+    const float neg_dot = negate(dot);  // not -dot: see detail::negate
+    for (int j = 0; j < k; ++j) dsel[j] = div(fma(scale, dw[j], neg_dot), sum);
   } else {
     // fma(., ., 0) rounds like a product but cannot be fused into the caller's
     // later subtraction, which would change the bits on one backend only.

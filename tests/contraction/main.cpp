@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -12,6 +13,8 @@ void fused(const float* x, std::int64_t n, float* out);
 void unfused(const float* x, std::int64_t n, float* out);
 void fused_routers(const float*, std::int64_t, int, const float*, float*, std::int32_t*, float*);
 void unfused_routers(const float*, std::int64_t, int, const float*, float*, std::int32_t*, float*);
+void fused_zero_routers(const float*, std::int64_t, int, const float*, const float*, float*);
+void unfused_zero_routers(const float*, std::int64_t, int, const float*, const float*, float*);
 
 int main() {
   std::mt19937 gen(7);
@@ -41,6 +44,36 @@ int main() {
   if (ia != ib) { std::printf("indices differ\n"); ++failures; }
   if (std::memcmp(ga.data(), gb.data(), ga.size() * sizeof(float)) != 0) { std::printf("gates differ\n"); ++failures; }
   if (std::memcmp(da.data(), db.data(), da.size() * sizeof(float)) != 0) { std::printf("gradients differ\n"); ++failures; }
-  std::printf("%d passed, %d failed\n", 4 - failures, failures);
+
+  // Signed zeros in the gradients: a third of the rows all NaN, a third with
+  // some NaN, upstream gradients with many zeros of both signs.
+  const std::int64_t zn = 96;
+  const int ze = 64;
+  std::vector<float> zz(zn * ze), zdw(zn * 8);
+  for (std::int64_t t = 0; t < zn; ++t)
+    for (int i = 0; i < ze; ++i) {
+      float& v = zz[t * ze + i];
+      v = narrow(gen);
+      if (t % 3 == 0 || (t % 3 == 1 && i % 5 == 2)) v = (i % 2) ? -std::numeric_limits<float>::quiet_NaN()
+                                                                 : std::numeric_limits<float>::quiet_NaN();
+    }
+  for (std::size_t i = 0; i < zdw.size(); ++i) {
+    const int c = static_cast<int>((i * 7 + i / 8) % 6);
+    zdw[i] = c == 0 ? 0.0f : c == 1 ? -0.0f : c == 2 ? -0.0f : 0.25f * narrow(gen);
+  }
+  std::vector<float> za(5 * 3 * zn * ze), zb(za.size());
+  fused_zero_routers(zz.data(), zn, ze, bias.data(), zdw.data(), za.data());
+  unfused_zero_routers(zz.data(), zn, ze, bias.data(), zdw.data(), zb.data());
+  if (std::memcmp(za.data(), zb.data(), za.size() * sizeof(float)) != 0) {
+    std::int64_t count = 0, first = -1;
+    for (std::size_t i = 0; i < za.size(); ++i)
+      if (std::memcmp(&za[i], &zb[i], sizeof(float)) != 0 && count++ == 0) first = static_cast<std::int64_t>(i);
+    std::printf("gradients with signed zeros differ (%lld entries; first: router %lld, pass %lld, token %lld, expert %lld)\n",
+                static_cast<long long>(count), static_cast<long long>(first / (3 * zn * ze)),
+                static_cast<long long>(first / (zn * ze) % 3), static_cast<long long>(first / ze % zn),
+                static_cast<long long>(first % ze));
+    ++failures;
+  }
+  std::printf("%d passed, %d failed\n", 5 - failures, failures);
   return failures == 0 ? 0 : 1;
 }

@@ -196,8 +196,9 @@ MOE_ROUTE_HD void admitted_gate_weights_vjp(const Router& r, const float* sigma,
     for (int j = 0; j < k; ++j)
       if (status_of(routed[j], admitted[j]) == slot_status::rerouted)
         dot = moe_route::detail::fma(qn[j], scale * d_phi[j], dot);
+    const float neg_dot = moe_route::detail::negate(dot);  // not -dot: see detail::negate
     for (int j = 0; j < k; ++j) {
-      d_sigma[j] = q[j] * moe_route::detail::fma(scale, d_sigma[j], -dot);
+      d_sigma[j] = q[j] * moe_route::detail::fma(scale, d_sigma[j], neg_dot);
       d_phi[j] = qn[j] * (scale * d_phi[j]);
     }
   } else if (r.normalize) {
@@ -208,8 +209,9 @@ MOE_ROUTE_HD void admitted_gate_weights_vjp(const Router& r, const float* sigma,
     for (int j = 0; j < k; ++j)
       if (status_of(routed[j], admitted[j]) == slot_status::rerouted)
         dot = moe_route::detail::fma(scale * d_phi[j], moe_route::detail::div(phi[j], sum), dot);
+    const float neg_dot = moe_route::detail::negate(dot);  // not -dot: see detail::negate
     for (int j = 0; j < k; ++j) {
-      d_sigma[j] = moe_route::detail::div(moe_route::detail::fma(scale, d_sigma[j], -dot), sum);
+      d_sigma[j] = moe_route::detail::div(moe_route::detail::fma(scale, d_sigma[j], neg_dot), sum);
       d_phi[j] = moe_route::detail::div(scale * d_phi[j], sum);
     }
   } else {

@@ -8,8 +8,9 @@
 // fma, so no compiler can change a result by contracting a*b+c on its own
 // (nvcc --fmad, g++ -ffp-contract=fast with -mfma): the result is the same
 // whatever the flags, except --use_fast_math / -ffast-math, which are not
-// supported. tests/numerics_contract.cpp checks this by compiling the same
-// code with and without contraction.
+// supported. A value an fma produced is negated with negate(), never with
+// unary minus (see there). tests/contraction/ checks this by compiling the
+// same code with and without contraction.
 #pragma once
 
 #include <cstdint>
@@ -82,6 +83,16 @@ MOE_ROUTE_HD float sqrt(float a) {
 }
 
 MOE_ROUTE_HD float max(float a, float b) { return a < b ? b : a; }
+
+// -x, as a flip of the sign bit. Write negate(d), not -d, wherever d is the
+// result of an fma: g++ folds -fma(a, b, c) into one fnmsub, -(a*b) - c,
+// whatever -ffp-contract says, when nothing else uses the fma's result, which
+// depends on the optimisation level and on vectorisation (the gate VJP's -dot
+// was folded at -O3 and not at -O2). The two differ in the sign of a zero: if
+// a*b + c is an exact zero of opposite-signed terms, the fma gives +0 and its
+// negation -0, but -(a*b) - c gives +0. The bit flip is not a floating-point
+// negation, so no compiler folds it into the fma.
+MOE_ROUTE_HD float negate(float x) { return bits_to_float(float_to_bits(x) ^ 0x80000000u); }
 
 // e^x with error below one ulp in the normal range. NaN propagates, results
 // that would overflow are +inf, and results below the smallest normal float

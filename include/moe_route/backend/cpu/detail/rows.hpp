@@ -298,7 +298,7 @@ void backward_row(const Router& r, const T* z, int num_experts, const std::int32
     moe_route::detail::gate_weights_vjp(r, selected, dw, dsel, k);
     float dot = 0.0f;  // <ds, s>, nonzero terms only at the selected experts
     for (int j = 0; j < k; ++j) dot = moe_route::detail::fma(dsel[j], selected[j], dot);
-    const float neg_dot = -dot;
+    const float neg_dot = moe_route::detail::negate(dot);  // not -dot: see detail::negate
     if (row.sum > 0.0f) {
       const float sum = row.sum;
       for (int e = 0; e < num_experts; ++e) dz[e] = moe_route::detail::div(scratch.t[e], sum) * neg_dot;
@@ -357,7 +357,8 @@ void admitted_backward_row(const Router& r, const float* v, int num_experts, con
     for (int j = 0; j < k; ++j) dot = num::fma(d_sigma[j], sigma[j], dot);
     for (int j = 0; j < k; ++j)
       if (rerouted[j]) dot = num::fma(d_phi[j], phi[j], dot);
-    for (int e = 0; e < num_experts; ++e) dz[e] = gate_input<G>(v[e], st) * -dot;
+    const float neg_dot = num::negate(dot);  // not -dot: see detail::negate
+    for (int e = 0; e < num_experts; ++e) dz[e] = gate_input<G>(v[e], st) * neg_dot;
     for (int j = 0; j < k; ++j) dz[routed[j]] = sigma[j] * (d_sigma[j] - dot);
     for (int j = 0; j < k; ++j)
       if (rerouted[j]) dz[admitted[j]] = phi[j] * (d_phi[j] - dot);

@@ -135,7 +135,7 @@ MOE_ROUTE_CUDA_DEVICE void backward_rows_bucket(const Router& r, const backward_
 #pragma unroll
     for (int j = 0; j < Slots; ++j) {
       const int e = lane + warp_threads * j;
-      if (e < E) dz[e] = softmax_score(term[j], row_sum) * -sg.dot;
+      if (e < E) dz[e] = softmax_score(term[j], row_sum) * num::negate(sg.dot);
     }
     W::sync();  // the dense stores are ordered before the selected ones
     if (sg.write) dz[sg.expert] = sg.value;
@@ -170,7 +170,7 @@ MOE_ROUTE_CUDA_DEVICE void backward_rows_general(const Router& r, const backward
     float* dz = p.grad_logits + token * E;
     for (int e = lane; e < E; e += warp_threads) {
       if constexpr (row_softmax)
-        dz[e] = score_of<G>(num::sanitize(num::to_float(W::load(z + e))), row_max, row_sum) * -sg.dot;
+        dz[e] = score_of<G>(num::sanitize(num::to_float(W::load(z + e))), row_max, row_sum) * num::negate(sg.dot);
       else
         dz[e] = 0.0f;
     }

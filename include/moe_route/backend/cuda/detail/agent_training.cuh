@@ -381,7 +381,7 @@ MOE_ROUTE_CUDA_DEVICE void routed_gate_grad(const Router& r, const training_para
       backward_selected<W>(r, p.grad_indices, p.grad_gates, p.num_experts, token, logit, row_max, row_sum);
   for (int e = W::lane(); e < p.num_experts; e += warp_threads) {
     if constexpr (G::shape == gating::kind::row_softmax)
-      dz[e] = score_of<G>(logit(e), row_max, row_sum) * -sg.dot;
+      dz[e] = score_of<G>(logit(e), row_max, row_sum) * num::negate(sg.dot);
     else
       dz[e] = 0.0f;
   }
@@ -438,7 +438,7 @@ MOE_ROUTE_CUDA_DEVICE void admitted_gate_grad(const Router& r, const training_pa
   }
   for (int e = lane; e < E; e += warp_threads) {
     if constexpr (G::shape == gating::kind::row_softmax)
-      dz[e] = score_of<G>(num::sanitize(selection_logit<W>(z, b, beta, biased, e)), row_max, row_sum) * -dot;
+      dz[e] = score_of<G>(num::sanitize(selection_logit<W>(z, b, beta, biased, e)), row_max, row_sum) * num::negate(dot);
     else
       dz[e] = 0.0f;
   }
