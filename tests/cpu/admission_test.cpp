@@ -27,6 +27,8 @@
 #include <moe_route/backend/cpu/admit.hpp>
 #include <moe_route/moe_route.hpp>
 
+#include "admission_cases.hpp"
+
 namespace admission_test {
 
 namespace mr = moe_route;
@@ -37,18 +39,9 @@ constexpr float finf = std::numeric_limits<float>::infinity();
 // ---------------------------------------------------------------------------
 // Inputs.
 
-struct batch {
-  std::int64_t N = 0;
-  int E = 0, K = 0;
-  std::vector<float> z;                  // [N x E]
-  std::vector<float> bias;               // [E] expert bias (zero unless set)
-  std::vector<std::int32_t> routed;      // [N x K]
-  std::vector<float> gates;              // [N x K]
-  std::vector<float> xn, wn;             // norms
-  std::vector<std::int32_t> groups;      // [N] or empty
-  int G = 1;
-  std::vector<std::int64_t> capacity;    // [E] or empty
-};
+// The batch type and its admission inputs are the CUDA parity tests'
+// (tests/admission_cases.hpp); this file makes its own batches.
+using admission_cases::batch;
 
 // Logits: normal(0, 2); with `levels` > 0 they are rounded to multiples of
 // 1/levels so affinities tie often; every 7th row repeats its predecessor.
@@ -98,21 +91,6 @@ batch make_batch(const Router& r, std::uint32_t seed, std::int64_t N, int E, int
   return b;
 }
 
-template <class T>
-mr::admission_inputs<T> inputs_of(const batch& b) {
-  mr::admission_inputs<T> in;
-  in.logits = b.z.data();
-  in.num_tokens = b.N;
-  in.num_experts = b.E;
-  in.routed_indices = b.routed.data();
-  in.routed_gates = b.gates.data();
-  in.hidden_norms = b.xn.data();
-  in.weight_norms = b.wn.data();
-  in.group_ids = b.groups.empty() ? nullptr : b.groups.data();
-  in.num_groups = b.G;
-  in.capacity = b.capacity.empty() ? nullptr : b.capacity.data();
-  return in;
-}
 
 struct result {
   std::vector<std::int32_t> idx;
@@ -128,7 +106,7 @@ result run_admit(const Router& r, const Policy& p, const batch& b, int threads =
   res.gates.assign(b.N * b.K, -7.0f);
   res.status.assign(b.N * b.K, -7);
   mr::admission_outputs out{res.idx.data(), res.gates.data(), res.status.data(), nullptr};
-  res.rep = mr::cpu::admit(r, p, inputs_of<float>(b), out, mr::cpu::execution{threads});
+  res.rep = mr::cpu::admit(r, p, admission_cases::admission_inputs_of(b, b.z.data()), out, mr::cpu::execution{threads});
   return res;
 }
 
@@ -562,7 +540,7 @@ TEST_CASE("admission: argument errors name the argument") {
       CHECK(std::string(e.what()).find(needle) != std::string::npos);
     }
   };
-  auto in = inputs_of<float>(b);
+  auto in = admission_cases::admission_inputs_of(b, b.z.data());
   {  // cosine with zero or non-finite norms is rejected with a clear error.
     auto xn = b.xn;
     xn[3] = 0.0f;

@@ -5,7 +5,8 @@
 // is present, and the executable then exits 0.
 //
 // The routed indices and gates come from cpu::route, so this test depends on
-// the CUDA admission / dispatch kernels only.
+// the CUDA admission / dispatch kernels only. The batches and the policy sweep
+// are shared with the emulator's test (tests/admission_cases.hpp).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -19,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "admission_cases.hpp"
 #include <moe_route/backend/cpu/admit.hpp>
 #include <moe_route/backend/cpu/dispatch.hpp>
 #include <moe_route/backend/cpu/expert_choice.hpp>
@@ -31,6 +33,13 @@ namespace {
 
 namespace mr = moe_route;
 namespace ad = moe_route::admission;
+using admission_cases::admission_inputs_of;
+using admission_cases::batch;
+using admission_cases::expert_choice_inputs_of;
+using admission_cases::expert_choice_shape;
+using admission_cases::make_batch;
+using admission_cases::same_bits;
+using admission_cases::same_report;
 
 bool has_device() {
   static const bool present = [] {
@@ -72,84 +81,12 @@ T* ptr_or_null(const std::vector<T>& host, device_vector<T>& dev) {
   return host.empty() ? nullptr : dev.get();
 }
 
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-bool same_report(const mr::admission_report& a, const mr::admission_report& b) {
-  return a.offered == b.offered && a.kept == b.kept && a.rerouted == b.rerouted && a.dropped == b.dropped &&
-         a.below_threshold == b.below_threshold && a.over_capacity == b.over_capacity &&
-         a.tokens_without_experts == b.tokens_without_experts && a.invalid == b.invalid;
-}
-
-// A batch: logits with a hot quarter of experts, optional quantisation (ties)
-// and repeated rows, routed on the CPU.
-struct batch {
-  std::int64_t N = 0;
-  int E = 0, K = 0, G = 1;
-  std::vector<float> z, bias, gates, xn, wn;
-  std::vector<std::int32_t> routed, groups;
-  std::vector<std::int64_t> capacity;
-};
-
-template <class Router>
-batch make_batch(const Router& r, std::uint32_t seed, std::int64_t N, int E, int levels, int G, bool cap_array) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.5f);
-  std::uniform_real_distribution<float> u(0.5f, 2.0f);
-  batch b;
-  b.N = N, b.E = E, b.K = r.top_k, b.G = G;
-  b.z.resize(N * E);
-  for (auto& x : b.z) {
-    x = nd(rng);
-    if (levels > 0) x = std::round(x * levels) / levels;
-  }
-  for (std::int64_t t = 0; t < N; ++t) {
-    for (int e = 0; e < (E + 3) / 4; ++e) b.z[t * E + e] += 1.5f;
-    if (t % 7 == 6) std::copy(b.z.begin() + (t - 1) * E, b.z.begin() + t * E, b.z.begin() + t * E);
-  }
-  b.bias.resize(E);
-  for (auto& x : b.bias) x = 0.01f * nd(rng);
-  b.xn.resize(N);
-  b.wn.resize(E);
-  for (auto& x : b.xn) x = u(rng);
-  for (auto& x : b.wn) x = u(rng);
-  if (G > 1) {
-    b.groups.resize(N);
-    for (std::int64_t t = 0; t < N; ++t) b.groups[t] = static_cast<std::int32_t>((t * 2654435761u >> 7) % G);
-    // leave the last group empty
-    for (auto& g : b.groups)
-      if (g == G - 1) g = 0;
-  }
-  if (cap_array) {
-    b.capacity.resize(E);
-    std::uniform_int_distribution<int> c(0, static_cast<int>(2 * N * b.K / E / std::max(G, 1)) + 1);
-    for (auto& x : b.capacity) x = c(rng);
-  }
-  b.routed.resize(N * b.K);
-  b.gates.resize(N * b.K);
-  mr::cpu::route(r, mr::route_inputs<float>{b.z.data(), N, E, b.bias.data()},
-                 mr::route_outputs{b.routed.data(), b.gates.data()});
-  return b;
-}
-
 template <class Router, class Policy>
 void check_admit(const Router& r, const Policy& p, const batch& b, const char* what) {
   CAPTURE(what);
   const std::int64_t slots = b.N * b.K;
   // CPU
-  mr::admission_inputs<float> hin;
-  hin.logits = b.z.data();
-  hin.num_tokens = b.N;
-  hin.num_experts = b.E;
-  hin.routed_indices = b.routed.data();
-  hin.routed_gates = b.gates.data();
-  hin.hidden_norms = b.xn.data();
-  hin.weight_norms = b.wn.data();
-  hin.group_ids = b.groups.empty() ? nullptr : b.groups.data();
-  hin.num_groups = b.G;
-  hin.capacity = b.capacity.empty() ? nullptr : b.capacity.data();
+  const mr::admission_inputs<float> hin = admission_inputs_of(b, b.z.data());
   std::vector<std::int32_t> cidx(slots);
   std::vector<float> cgates(slots);
   std::vector<std::int8_t> cstatus(slots);
@@ -225,31 +162,7 @@ void check_admit(const Router& r, const Policy& p, const batch& b, const char* w
 
 template <class Router>
 void all_policies(const Router& r, const batch& b) {
-  check_admit(r, ad::cipher_strict(0.02f, 1.0), b, "cipher_strict");
-  check_admit(r, ad::cipher_strict(0.05f), b, "cipher_strict, factor 8");
-  check_admit(r, ad::cipher_reroute(0.0f, 1.0, 1.0), b, "cipher_reroute, fill = capacity");
-  check_admit(r, ad::cipher_reroute(0.02f, 1.25, 0.9), b, "cipher_reroute");
-  check_admit(r, ad::cipher_reroute(0.02f), b, "cipher_reroute, factors 8 / 4");
-  check_admit(r, ad::locmoe(1.0), b, "locmoe");
-  check_admit(r, ad::capacity_position(0.8), b, "capacity_position");
-  check_admit(r, ad::capacity_position(0.5, 5), b, "capacity_position, min_capacity");
-  check_admit(r, ad::capacity_probs(0.8), b, "capacity_probs");
-  auto renorm = ad::capacity_probs(0.7);
-  renorm.overflow.renormalize = true;
-  check_admit(r, renorm, b, "capacity_probs, renormalize");
-  check_admit(r, ad::dropless(), b, "dropless");
-  auto logit = ad::policy<ad::logit, ad::reroute>{};
-  logit.threshold = -1.0f;
-  logit.capacity_factor = 1.0;
-  logit.overflow.fill_factor = 1.5;
-  check_admit(r, logit, b, "logit, reroute");
-  auto prob = ad::policy<ad::probability, ad::reroute>{};
-  prob.capacity_factor = 0.9;
-  prob.overflow.fill_factor = 1.2;
-  prob.overflow.max_rounds = 3;
-  check_admit(r, prob, b, "probability, reroute, 3 rounds");
-  check_admit(r, ad::cipher_strict(1.0e30f, 1.0), b, "tau above every affinity");
-  check_admit(r, ad::cipher_reroute(-1.0e30f, 0.0, 4.0), b, "capacity 0");
+  admission_cases::for_each_policy([&](const auto& p, const char* what) { check_admit(r, p, b, what); });
 }
 
 template <class T>
@@ -339,14 +252,14 @@ TEST_CASE("cuda admission == cpu admission with bf16 logits" * doctest::skip(!ha
 }
 
 TEST_CASE("cuda expert_choice == cpu expert_choice, and its dispatch" * doctest::skip(!has_device())) {
-  struct shape {
-    std::int64_t N;
-    int E, levels, G;
-    bool cap;
-    double factor;
+  const expert_choice_shape shapes[] = {
+      {2000, 64, 0, 1, false, 1.0},
+      {1500, 128, 2, 3, false, 1.5},
+      {700, 32, 1, 2, true, 1.0},
+      {64, 1, 0, 1, false, 0.5},
+      {333, 256, 0, 1, false, 0.0},
   };
-  for (const shape s : {shape{2000, 64, 0, 1, false, 1.0}, shape{1500, 128, 2, 3, false, 1.5},
-                        shape{700, 32, 1, 2, true, 1.0}, shape{64, 1, 0, 1, false, 0.5}, shape{333, 256, 0, 1, false, 0.0}}) {
+  for (const expert_choice_shape& s : shapes) {
     CAPTURE(s.E);
     mr::router<mr::gating::softmax, mr::selection::top_k, 8> r;
     r.top_k = 1;
@@ -354,13 +267,7 @@ TEST_CASE("cuda expert_choice == cpu expert_choice, and its dispatch" * doctest:
     mr::selection::expert_choice p;
     p.capacity_factor = s.factor;
     p.min_capacity = s.factor == 0.0 ? 3 : 0;
-    mr::expert_choice_inputs<float> hin;
-    hin.logits = b.z.data();
-    hin.num_tokens = b.N;
-    hin.num_experts = b.E;
-    hin.group_ids = b.groups.empty() ? nullptr : b.groups.data();
-    hin.num_groups = b.G;
-    hin.capacity = b.capacity.empty() ? nullptr : b.capacity.data();
+    const mr::expert_choice_inputs<float> hin = expert_choice_inputs_of(b);
     const std::int64_t pairs = b.N * b.E;
     std::vector<std::int32_t> cidx(pairs), cper(b.N);
     std::vector<float> cgates(pairs);

@@ -64,6 +64,7 @@ struct warp {
     std::memcpy(&r, &o, 8);
     return r;
   }
+  static std::uint64_t shfl_xor(std::uint64_t v, int off) { return collect(v)[t_lane ^ off]; }
   static float shfl(float v, int src) { auto b = collect(fbits(v)); return bitsf((std::uint32_t)b[src & 31]); }
   static int shfl(int v, int src) { auto b = collect((std::uint32_t)v); return (int)(std::uint32_t)b[src & 31]; }
   static std::uint32_t reduce_max(std::uint32_t v) {
@@ -78,6 +79,11 @@ struct warp {
   template <class T> static T load(const T* p) { return *p; }
   static void atomic_add(std::int64_t* p, std::int64_t v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
   static void atomic_add(int* p, int v) { __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+  static void atomic_max(std::int64_t* p, std::int64_t v) {
+    std::int64_t old = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (old < v && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+  }
 };
 
 // Runs fn(lane) on 32 lanes; returns lane 0's result.

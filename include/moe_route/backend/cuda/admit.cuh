@@ -17,7 +17,7 @@
 //   1. warp per token: affinity of each routed slot (exact fp32, admission/
 //      scores.hpp), threshold; key = rank_key(affinity, token), segment =
 //      group * E + expert (or a sentinel)
-//   2. rank the slots of each (group, expert) (admission_common.cuh); the
+//   2. rank the slots of each (group, expert) (detail/admission_common.cuh); the
 //      first C_e stay, the rest are rejected; loads = min(C_e, |pool|)
 //   3. reroute rounds (policy<..., reroute>): warp per token proposes, rank
 //      the proposals per (group, expert), accept up to the room left, update
@@ -33,7 +33,9 @@
 
 #include <moe_route/admission/admission.hpp>
 #include <moe_route/admission/detail/validate.hpp>
-#include <moe_route/backend/cuda/detail/admission_kernels.cuh>
+#include <moe_route/backend/cuda/detail/admission_launch.cuh>
+#include <moe_route/backend/cuda/detail/executor.cuh>
+#include <moe_route/backend/cuda/detail/storage.cuh>
 #include <moe_route/router.hpp>
 #include <moe_route/types.hpp>
 
@@ -51,8 +53,8 @@ std::size_t admit_workspace_bytes(const Router& r, const Policy& p, std::int64_t
   if (num_tokens < 0) moe_route::detail::fail("num_tokens must be >= 0");
   if (num_tokens * r.top_k >= admission::detail::max_sort_items)
     moe_route::detail::fail("num_tokens * top_k must be < 2^31 for admission");
-  if constexpr (Policy::is_dropless) return 0;
-  else return admission_detail::make_admit_layout(nullptr, num_tokens, r.top_k, num_experts, num_groups).bytes;
+  return admission_detail::admit_bytes<detail::device_executor, Policy>(detail::device_executor{}, num_tokens, r.top_k,
+                                                                        num_experts, num_groups);
 }
 
 // Admission on the device; see the top of this file.
@@ -61,7 +63,8 @@ void admit(const Router& r, const Policy& p, const admission_inputs<T>& in, cons
            void* workspace, std::size_t workspace_bytes, cudaStream_t stream = 0) {
   admission::detail::validate_admission(r, p, in, out);
   const std::size_t needed = admit_workspace_bytes(r, p, in.num_tokens, in.num_experts, in.num_groups);
-  admission_detail::launch_admit(r, p, in, out, workspace, workspace_bytes, needed, stream);
+  admission_detail::launch_admit(detail::device_executor{stream}, r, p, detail::storage_inputs(in), out, workspace,
+                                 workspace_bytes, needed);
 }
 
 }  // namespace moe_route::cuda

@@ -21,7 +21,8 @@
 
 #include <moe_route/admission/detail/validate.hpp>
 #include <moe_route/admission/dispatch.hpp>
-#include <moe_route/backend/cuda/detail/dispatch_kernels.cuh>
+#include <moe_route/backend/cuda/detail/dispatch_launch.cuh>
+#include <moe_route/backend/cuda/detail/executor.cuh>
 
 namespace moe_route::cuda {
 
@@ -35,7 +36,8 @@ inline std::size_t dispatch_workspace_bytes(std::int64_t num_tokens, int slots_p
   shape.indices = &dummy_index;
   admission::detail::validate_dispatch(shape, dispatch_outputs{&dummy, &dummy});
   admission_detail::validate_device_dispatch(num_tokens, slots_per_token);
-  return admission_detail::make_dispatch_layout(nullptr, static_cast<int>(num_tokens * slots_per_token), num_experts)
+  return admission_detail::make_dispatch_layout(detail::device_executor{}, nullptr,
+                                                static_cast<int>(num_tokens * slots_per_token), num_experts)
       .bytes;
 }
 
@@ -44,7 +46,7 @@ inline void dispatch(const dispatch_inputs& in, const dispatch_outputs& out, voi
   admission::detail::validate_dispatch(in, out);
   admission_detail::validate_device_dispatch(in.num_tokens, in.slots_per_token);
   const std::size_t needed = dispatch_workspace_bytes(in.num_tokens, in.slots_per_token, in.num_experts);
-  admission_detail::launch_dispatch(in, out, workspace, workspace_bytes, needed, stream);
+  admission_detail::launch_dispatch(detail::device_executor{stream}, in, out, workspace, workspace_bytes, needed);
 }
 
 }  // namespace moe_route::cuda

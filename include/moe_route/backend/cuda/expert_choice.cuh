@@ -6,7 +6,7 @@
 //
 // Same bits as cpu::expert_choice: canonical softmax scores, every (group,
 // expert) ranks all its tokens by rank_key(s_{t,e}, t) through the stable
-// radix sorts of admission_common.cuh, and keeps the first C_e. The output
+// radix sorts of detail/admission_common.cuh, and keeps the first C_e. The output
 // rows are compacted in ascending expert order with warp ballots. The
 // workspace holds N * E ranking items (about 33 bytes each). Tokens with a
 // group id outside [0, num_groups) are never picked and are counted in
@@ -19,7 +19,9 @@
 #include <cstdint>
 
 #include <moe_route/admission/detail/validate.hpp>
-#include <moe_route/backend/cuda/detail/expert_choice_kernels.cuh>
+#include <moe_route/backend/cuda/detail/executor.cuh>
+#include <moe_route/backend/cuda/detail/expert_choice_launch.cuh>
+#include <moe_route/backend/cuda/detail/storage.cuh>
 #include <moe_route/selection/expert_choice.hpp>
 
 namespace moe_route::cuda {
@@ -35,7 +37,7 @@ inline std::size_t expert_choice_workspace_bytes(const selection::expert_choice&
   std::int32_t dummy_index = 0;
   shape.logits = &dummy;
   admission::detail::validate_expert_choice(p, shape, expert_choice_outputs{&dummy_index, &dummy});
-  return admission_detail::make_ec_layout(nullptr, num_tokens, num_experts, num_groups).bytes;
+  return admission_detail::make_ec_layout(detail::device_executor{}, nullptr, num_tokens, num_experts, num_groups).bytes;
 }
 
 // Expert-choice selection on the device; see the top of this file.
@@ -44,7 +46,8 @@ void expert_choice(const selection::expert_choice& p, const expert_choice_inputs
                    const expert_choice_outputs& out, void* workspace, std::size_t workspace_bytes,
                    cudaStream_t stream = 0) {
   admission::detail::validate_expert_choice(p, in, out);
-  admission_detail::launch_expert_choice(p, in, out, workspace, workspace_bytes, stream);
+  admission_detail::launch_expert_choice(detail::device_executor{stream}, p, detail::storage_inputs(in), out, workspace,
+                                         workspace_bytes);
 }
 
 // dL/dz [N x E] (overwritten) from dL/dgates [N x E] of an expert_choice result:
@@ -53,7 +56,8 @@ template <class T>
 void expert_choice_backward(const expert_choice_inputs<T>& in, const std::int32_t* indices, const float* grad_gates,
                             float* grad_logits, cudaStream_t stream = 0) {
   admission::detail::validate_expert_choice_backward(in, indices, grad_gates, grad_logits);
-  if (in.num_tokens > 0) detail::launch_expert_choice_backward(in, indices, grad_gates, grad_logits, stream);
+  admission_detail::launch_expert_choice_backward(detail::device_executor{stream}, detail::storage_inputs(in), indices,
+                                                  grad_gates, grad_logits);
 }
 
 }  // namespace moe_route::cuda

@@ -1,7 +1,12 @@
-// moe_route CUDA backend: pieces shared by admission, expert choice and
-// dispatch metadata (admission.cuh, expert_choice.cuh, dispatch.cuh):
-// workspace carving, the canonical warp row statistics, and the deterministic
-// "rank within segment" machinery built on CUB radix sorts.
+// moe_route CUDA backend: pieces shared by the launch sequences of admission,
+// expert choice and dispatch metadata (admission_launch.cuh,
+// expert_choice_launch.cuh, dispatch_launch.cuh): workspace carving, the
+// canonical warp row statistics, group sizes, and the deterministic "rank
+// within segment" built on two stable radix sorts.
+//
+// Everything here is written over an executor (executor.cuh on a GPU; the host
+// warp emulator's executor in tests/emulator) and, for warp code, over the warp
+// type W, so the emulator runs the same sequence as the device.
 //
 // Ranking: every item carries a segment id (group * E + expert, or the
 // sentinel `segments` for items that take no part) and a 64-bit key
@@ -12,21 +17,15 @@
 // ever decides an order.
 #pragma once
 
-#include <cuda_runtime.h>
-
-#include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_scan.cuh>
-
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
 #include <moe_route/admission/scores.hpp>
-#include <moe_route/backend/cuda/detail/error.cuh>
+#include <moe_route/backend/cuda/detail/config.cuh>
 #include <moe_route/backend/cuda/detail/tuning.cuh>
-#include <moe_route/config.hpp>
+#include <moe_route/backend/cuda/detail/warp_reduce.cuh>
 #include <moe_route/detail/numerics.hpp>
-#include <moe_route/detail/validate.hpp>
 #include <moe_route/gating/softmax.hpp>
 #include <moe_route/types.hpp>
 
@@ -34,18 +33,7 @@ namespace moe_route::cuda::admission_detail {
 
 namespace num = moe_route::detail;
 
-using moe_route::cuda::detail::check_launch;
-inline constexpr int block_threads = tuning::admission_block_threads;
-inline constexpr int warps_per_block = block_threads / warp_threads;
-inline constexpr std::int64_t max_grid_blocks = tuning::admission_max_blocks;
 inline constexpr std::size_t workspace_alignment = 256;
-
-// Blocks for `items` work items of `per_block` each, capped (the kernels loop).
-inline unsigned grid_for(std::int64_t items, std::int64_t per_block) {
-  std::int64_t b = (items + per_block - 1) / per_block;
-  if (b < 1) b = 1;
-  return static_cast<unsigned>(b < max_grid_blocks ? b : max_grid_blocks);
-}
 
 // Bits needed to hold every value in [0, max_value].
 inline int bits_for(std::uint64_t max_value) {
@@ -53,6 +41,15 @@ inline int bits_for(std::uint64_t max_value) {
   while (b < 64 && (max_value >> b) != 0) ++b;
   return b;
 }
+
+// Two buffers of one sort key or value; `selector` names the current one (the
+// contract of cub::DoubleBuffer, which the device executor passes it on to).
+template <class T>
+struct double_buffer {
+  T* buffers[2] = {nullptr, nullptr};
+  int selector = 0;
+  T* current() const { return buffers[selector]; }
+};
 
 // Sub-buffers of one caller workspace, each aligned to 256 bytes. With a null
 // base it only measures (the two-phase size query walks the same layout).
@@ -87,86 +84,91 @@ inline void check_workspace(void* workspace, std::size_t bytes, std::size_t need
                             ") is smaller than the queried size (= " + std::to_string(needed) + ")");
 }
 
-// ---------------------------------------------------------------------------
-// Device helpers.
-
-__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x) & 31; }
-
-__device__ __forceinline__ std::int64_t global_warp() {
-  return (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-}
-__device__ __forceinline__ std::int64_t warp_count() { return (static_cast<std::int64_t>(gridDim.x) * blockDim.x) >> 5; }
-__device__ __forceinline__ std::int64_t global_thread() {
-  return static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ std::int64_t thread_count() { return static_cast<std::int64_t>(gridDim.x) * blockDim.x; }
-
-// The largest 64-bit value of the warp (every lane gets it).
-__device__ __forceinline__ std::uint64_t warp_max_u64(std::uint64_t v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const std::uint64_t other = __shfl_xor_sync(0xffffffffu, v, offset);
-    v = other > v ? other : v;
-  }
-  return v;
-}
-
-__device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 // Softmax statistics of one row of E logits, computed by a whole warp in the
 // canonical order (detail/numerics.hpp): lane l adds exp(v_e - max) for
 // e = l, l + 32, ... in increasing order from 0.0f, then the butterfly 16, 8,
 // 4, 2, 1. Every lane returns the bits admission::softmax_row_stats computes
 // on the host. Must be called by all 32 lanes.
-template <class S>
-__device__ __forceinline__ admission::row_stats warp_row_stats(const S* z, int num_experts) {
-  const int lane = lane_id();
+template <class W, class S>
+MOE_ROUTE_CUDA_DEVICE admission::row_stats warp_row_stats(const S* z, int num_experts) {
+  const int lane = W::lane();
   float m = -num::float_max;
-  for (int e = lane; e < num_experts; e += 32) m = num::max(m, num::sanitize(num::to_float(z[e])));
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) m = num::max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  for (int e = lane; e < num_experts; e += warp_threads) m = num::max(m, num::sanitize(num::to_float(z[e])));
+  m = detail::warp_max<W>(m);
   float part = 0.0f;
-  for (int e = lane; e < num_experts; e += 32) part += gating::softmax::term(num::sanitize(num::to_float(z[e])), m);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) part = part + __shfl_xor_sync(0xffffffffu, part, offset);
-  return {m, part};
+  for (int e = lane; e < num_experts; e += warp_threads)
+    part += gating::softmax::term(num::sanitize(num::to_float(z[e])), m);
+  return {m, detail::warp_sum<W>(part)};
 }
 
-// Tokens per admission group (integer counts: the totals do not depend on the
-// order of the atomic additions); ids outside [0, num_groups) are not counted.
-MOE_ROUTE_KERNEL void count_groups_kernel(const std::int32_t* __restrict__ group_ids, std::int64_t num_tokens,
-                                          int num_groups, unsigned long long* __restrict__ counts) {
-  for (std::int64_t t = global_thread(); t < num_tokens; t += thread_count()) {
+// Warps that cover `tokens` tokens at one token per lane (warp w, lane l: token 32 w + l).
+inline std::int64_t token_warps(std::int64_t tokens) { return (tokens + warp_threads - 1) / warp_threads; }
+
+// Tokens per admission group, counted by warps of 32 tokens (token_warps). Integer atomics: the totals do not depend on their order.
+// Ids outside [0, num_groups) are not counted. counts must be zeroed first.
+struct count_groups {
+  const std::int32_t* group_ids;
+  std::int64_t num_tokens;
+  int num_groups;
+  std::int64_t* counts;
+
+  template <class W>
+  MOE_ROUTE_CUDA_DEVICE void run(std::int64_t w, std::uint32_t*) const {
+    const std::int64_t t = w * warp_threads + W::lane();
+    if (t >= num_tokens) return;
     const int g = group_ids[t];
-    if (g >= 0 && g < num_groups) atomicAdd(counts + g, 1ull);
+    if (g >= 0 && g < num_groups) W::atomic_add(counts + g, std::int64_t{1});
+  }
+};
+
+// The group sizes of one call: counted from group_ids, or N for one group.
+struct set_value {
+  std::int64_t* target;
+  std::int64_t value;
+  MOE_ROUTE_CUDA_DEVICE void operator()(std::int64_t) const { *target = value; }
+};
+
+template <class Exec>
+void group_sizes(const Exec& ex, const std::int32_t* group_ids, std::int64_t num_tokens, int num_groups,
+                 std::int64_t* counts) {
+  if (group_ids != nullptr) {
+    ex.fill(counts, 0, sizeof(std::int64_t) * static_cast<std::size_t>(num_groups), "group sizes");
+    ex.for_each_warp(token_warps(num_tokens), 0, count_groups{group_ids, num_tokens, num_groups, counts},
+                     "count_groups");
+  } else {
+    ex.for_each(1, set_value{counts, num_tokens}, "set_value");
   }
 }
 
-MOE_ROUTE_KERNEL void set_count_kernel(unsigned long long* __restrict__ counts, std::int64_t value) {
-  counts[0] = static_cast<unsigned long long>(value);
-}
-
-// Items of a ranking: segment ids by item (input), keys and item ids in
-// double buffers that the sorts reorder.
-MOE_ROUTE_KERNEL void gather_segments_kernel(const std::uint32_t* __restrict__ seg_by_item,
-                                             const std::uint32_t* __restrict__ items, std::uint32_t* __restrict__ out,
-                                             int n) {
-  for (std::int64_t i = global_thread(); i < n; i += thread_count()) out[i] = seg_by_item[items[i]];
-}
+// out[i] = segment of the i-th item id after the key sort.
+struct gather_segments {
+  const std::uint32_t* seg_by_item;
+  const std::uint32_t* items;
+  std::uint32_t* out;
+  MOE_ROUTE_CUDA_DEVICE void operator()(std::int64_t i) const { out[i] = seg_by_item[items[i]]; }
+};
 
 // begin[s] = the first sorted position of segment s (segments absent from the
 // input keep whatever begin holds; nothing reads them).
-MOE_ROUTE_KERNEL void segment_begin_kernel(const std::uint32_t* __restrict__ seg, std::uint32_t* __restrict__ begin,
-                                           int n) {
-  for (std::int64_t i = global_thread(); i < n; i += thread_count()) {
+struct segment_begin {
+  const std::uint32_t* seg;
+  std::uint32_t* begin;
+  MOE_ROUTE_CUDA_DEVICE void operator()(std::int64_t i) const {
     const std::uint32_t s = seg[i];
     if (i == 0 || seg[i - 1] != s) begin[s] = static_cast<std::uint32_t>(i);
   }
-}
+};
+
+// A sorted ranking as the decision steps read it: position i holds item
+// items[i] of segment seg[i], at rank(i) within its segment.
+struct ranked {
+  const std::uint32_t* seg = nullptr;
+  const std::uint32_t* items = nullptr;
+  const std::uint32_t* begin = nullptr;
+  int n = 0;
+  MOE_ROUTE_CUDA_DEVICE std::int64_t rank(std::int64_t i) const { return i - static_cast<std::int64_t>(begin[seg[i]]); }
+  MOE_ROUTE_CUDA_DEVICE bool ends_segment(std::int64_t i) const { return i + 1 == n || seg[i + 1] != seg[i]; }
+};
 
 // The buffers of one ranking over n < 2^31 items.
 struct ranking {
@@ -179,12 +181,11 @@ struct ranking {
   void* temp = nullptr;
   std::size_t temp_bytes = 0;
 
-  // Results of sort(): sorted segment ids and item ids.
-  const std::uint32_t* sorted_segs = nullptr;
-  const std::uint32_t* sorted_items = nullptr;
+  ranked sorted;  // the result of sort()
 
   // Carves the buffers for n items and `segments` segments (+ the sentinel).
-  void carve(carver& c, int items_count, std::uint32_t segments) {
+  template <class Exec>
+  void carve(const Exec& ex, carver& c, int items_count, std::uint32_t segments) {
     n = items_count;
     segment_bits = bits_for(segments);
     keys[0] = c.take<std::uint64_t>(static_cast<std::size_t>(n));
@@ -194,37 +195,25 @@ struct ranking {
     segs[0] = c.take<std::uint32_t>(static_cast<std::size_t>(n));
     segs[1] = c.take<std::uint32_t>(static_cast<std::size_t>(n));
     begin = c.take<std::uint32_t>(static_cast<std::size_t>(segments) + 1);
-    std::size_t a = 0, b = 0;
-    cub::DoubleBuffer<std::uint64_t> k(nullptr, nullptr);
-    cub::DoubleBuffer<std::uint32_t> v(nullptr, nullptr);
-    check_launch(cub::DeviceRadixSort::SortPairsDescending(nullptr, a, k, v, n, 0, 64),
-          "cub::DeviceRadixSort::SortPairsDescending (size query)");
-    cub::DoubleBuffer<std::uint32_t> s(nullptr, nullptr);
-    check_launch(cub::DeviceRadixSort::SortPairs(nullptr, b, s, v, n, 0, segment_bits),
-          "cub::DeviceRadixSort::SortPairs (size query)");
+    const std::size_t a = ex.template sort_temp_bytes<std::uint64_t, std::uint32_t>(n, 64, true);
+    const std::size_t b = ex.template sort_temp_bytes<std::uint32_t, std::uint32_t>(n, segment_bits, false);
     temp_bytes = a > b ? a : b;
     temp = c.take<unsigned char>(temp_bytes);
   }
 
   // Sorts keys[0] / items[0] (item ids) / segs[0] (segment of each item id)
   // into (segment asc, key desc) order and records every segment's start.
-  void sort(cudaStream_t stream) {
+  template <class Exec>
+  void sort(const Exec& ex) {
     if (n == 0) return;
-    cub::DoubleBuffer<std::uint64_t> k(keys[0], keys[1]);
-    cub::DoubleBuffer<std::uint32_t> v(items[0], items[1]);
-    std::size_t bytes = temp_bytes;
-    check_launch(cub::DeviceRadixSort::SortPairsDescending(temp, bytes, k, v, n, 0, 64, stream),
-          "cub::DeviceRadixSort::SortPairsDescending");
-    gather_segments_kernel<<<grid_for(n, block_threads), block_threads, 0, stream>>>(segs[0], v.Current(), segs[1], n);
-    check_launch("moe_route::cuda admission: launch of gather_segments_kernel");
-    cub::DoubleBuffer<std::uint32_t> s(segs[1], segs[0]);
-    bytes = temp_bytes;
-    check_launch(cub::DeviceRadixSort::SortPairs(temp, bytes, s, v, n, 0, segment_bits, stream),
-          "cub::DeviceRadixSort::SortPairs");
-    sorted_segs = s.Current();
-    sorted_items = v.Current();
-    segment_begin_kernel<<<grid_for(n, block_threads), block_threads, 0, stream>>>(sorted_segs, begin, n);
-    check_launch("moe_route::cuda admission: launch of segment_begin_kernel");
+    double_buffer<std::uint64_t> k{{keys[0], keys[1]}};
+    double_buffer<std::uint32_t> v{{items[0], items[1]}};
+    ex.sort_pairs(temp, temp_bytes, k, v, n, 64, true, "ranking by key");
+    ex.for_each(n, gather_segments{segs[0], v.current(), segs[1]}, "gather_segments");
+    double_buffer<std::uint32_t> s{{segs[1], segs[0]}};
+    ex.sort_pairs(temp, temp_bytes, s, v, n, segment_bits, false, "ranking by segment");
+    sorted = ranked{s.current(), v.current(), begin, n};
+    ex.for_each(n, segment_begin{sorted.seg, begin}, "segment_begin");
   }
 };
 

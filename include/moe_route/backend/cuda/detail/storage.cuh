@@ -8,6 +8,8 @@
 
 #include <type_traits>
 
+#include <moe_route/admission/admission.hpp>
+#include <moe_route/selection/expert_choice.hpp>
 #include <moe_route/types.hpp>
 
 namespace moe_route::detail {
@@ -45,6 +47,17 @@ static_assert(sizeof(__half) == sizeof(float16) && alignof(__half) >= alignof(fl
 template <class T>
 const storage_t<T>* storage_pointer(const T* p) {
   return reinterpret_cast<const storage_t<T>*>(p);
+}
+
+// The same inputs with the logits read as the library's storage type.
+template <class T>
+admission_inputs<storage_t<T>> storage_inputs(const admission_inputs<T>& in) {
+  return {storage_pointer(in.logits), in.num_tokens,   in.num_experts, in.routed_indices, in.routed_gates,
+          in.hidden_norms,            in.weight_norms, in.group_ids,   in.num_groups,     in.capacity};
+}
+template <class T>
+expert_choice_inputs<storage_t<T>> storage_inputs(const expert_choice_inputs<T>& in) {
+  return {storage_pointer(in.logits), in.num_tokens, in.num_experts, in.group_ids, in.num_groups, in.capacity};
 }
 
 }  // namespace detail

@@ -41,12 +41,18 @@ struct cuda_warp {
   __device__ __forceinline__ static double shfl_xor(double v, int offset) {
     return __shfl_xor_sync(full_warp_mask, v, offset);
   }
+  __device__ __forceinline__ static std::uint64_t shfl_xor(std::uint64_t v, int offset) {
+    return __shfl_xor_sync(full_warp_mask, static_cast<unsigned long long>(v), offset);
+  }
 
   // Integer atomics (shared or global memory): their sums do not depend on order.
   __device__ __forceinline__ static void atomic_add(std::int64_t* p, std::int64_t v) {
     atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
   }
   __device__ __forceinline__ static void atomic_add(int* p, int v) { atomicAdd(p, v); }
+  __device__ __forceinline__ static void atomic_max(std::int64_t* p, std::int64_t v) {
+    atomicMax(reinterpret_cast<long long*>(p), static_cast<long long>(v));
+  }
 
   __device__ __forceinline__ static bool any(bool p) { return __any_sync(full_warp_mask, p) != 0; }
   __device__ __forceinline__ static std::uint32_t ballot(bool p) { return __ballot_sync(full_warp_mask, p); }

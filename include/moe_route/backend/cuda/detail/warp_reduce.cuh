@@ -2,9 +2,10 @@
 // type W (warp.cuh: W = cuda_warp). Every function must be called by all 32
 // lanes of the warp with warp-uniform control flow.
 //
-// W provides: lane(), shfl_xor(float|uint32, offset), shfl(float|int|uint32, src),
+// W provides: lane(), shfl_xor(float|double|uint32|uint64, offset), shfl(float|int, src),
 // reduce_max(uint32) (maximum over the warp), any(bool), ballot(bool), sync()
-// (__syncwarp: execution and memory ordering among the lanes), load(const T*).
+// (__syncwarp: execution and memory ordering among the lanes), load(const T*),
+// and the integer atomics atomic_add(int|int64*) and atomic_max(int64*).
 #pragma once
 
 #include <cstdint>
@@ -57,6 +58,23 @@ MOE_ROUTE_CUDA_DEVICE std::uint64_t segment_max_key(std::uint64_t key, int width
     key = other > key ? other : key;
   }
   return key;
+}
+
+// Sum of non-negative integer counts over the warp (exact: any order gives the same total).
+template <class W>
+MOE_ROUTE_CUDA_DEVICE std::uint64_t warp_sum_count(std::uint64_t v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += W::shfl_xor(v, offset);
+  return v;
+}
+
+// Set bits of a ballot mask.
+MOE_ROUTE_CUDA_DEVICE int popcount(std::uint32_t mask) {
+#if defined(__CUDA_ARCH__)
+  return __popc(mask);
+#else
+  return __builtin_popcount(mask);
+#endif
 }
 
 }  // namespace moe_route::cuda::detail

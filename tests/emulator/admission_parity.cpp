@@ -1,0 +1,322 @@
+// The CUDA backend's admission, expert-choice and dispatch-metadata launch
+// sequences (backend/cuda/detail/*_launch.cuh) run step for step on the host
+// executor (executor.hpp: warp steps on the 32-lane warp emulator, the radix
+// sorts as stable sorts of the same key bits), against the CPU backend, bit for
+// bit: indices, status, gates, reports, counts, offsets, permutations and rank
+// counts. Every admission policy over presets whose gatings differ (softmax,
+// renormalised, sigmoid with groups, softmax after top-k), ties, NaN / inf
+// rows, groups (one empty), per-expert capacities, E not a multiple of 32,
+// E = 1, K = E, N = 0, bf16 logits; and the device-only handling of invalid
+// input (dropped and counted), checked against expectations written here.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "admission_cases.hpp"
+#include "executor.hpp"
+#include <moe_route/backend/cuda/detail/admission_launch.cuh>
+#include <moe_route/backend/cuda/detail/dispatch_launch.cuh>
+#include <moe_route/backend/cuda/detail/expert_choice_launch.cuh>
+#include <moe_route/moe_route.hpp>
+
+namespace {
+
+namespace mr = moe_route;
+namespace ad = moe_route::admission;
+namespace cad = moe_route::cuda::admission_detail;
+using admission_cases::admission_inputs_of;
+using admission_cases::batch;
+using admission_cases::expert_choice_inputs_of;
+using admission_cases::expert_choice_shape;
+using admission_cases::make_batch;
+using admission_cases::same_bits;
+using admission_cases::same_report;
+
+// The emulated cuda::dispatch against cpu::dispatch.
+void check_dispatch(const mr::dispatch_inputs& in) {
+  const emu::executor ex;
+  const std::int64_t slots = in.num_tokens * in.slots_per_token;
+  const std::int64_t bound = mr::dispatch_rows_bound(in.num_tokens, in.slots_per_token, in.num_experts, in.align);
+  std::vector<std::int64_t> counts(in.num_experts), offsets(in.num_experts + 1), perm(bound), inv(slots),
+      ranks(in.num_ranks);
+  mr::cpu::dispatch(in, mr::dispatch_outputs{counts.data(), offsets.data(), perm.data(), inv.data(), ranks.data()});
+  std::vector<std::int64_t> ecounts(in.num_experts, 7), eoffsets(in.num_experts + 1, 7), eperm(bound, 7),
+      einv(slots, 7), eranks(in.num_ranks, 7);
+  const std::size_t bytes =
+      cad::make_dispatch_layout(ex, nullptr, static_cast<int>(slots), in.num_experts).bytes;
+  std::vector<unsigned char> ws(bytes + 1);
+  cad::launch_dispatch(ex, in,
+                       mr::dispatch_outputs{ecounts.data(), eoffsets.data(), eperm.data(), einv.data(), eranks.data()},
+                       ws.data() + 1, bytes, bytes);  // an unaligned base: the layout keeps the slack
+  CHECK(ecounts == counts);
+  CHECK(eoffsets == offsets);
+  CHECK(eperm == perm);
+  CHECK(einv == inv);
+  CHECK(eranks == ranks);
+}
+
+template <class Router, class Policy>
+void check_admit(const Router& r, const Policy& p, const batch& b, const char* what) {
+  CAPTURE(what);
+  const emu::executor ex;
+  const std::int64_t slots = b.N * b.K;
+  const mr::admission_inputs<float> in = admission_inputs_of(b, b.z.data());
+  std::vector<std::int32_t> cidx(slots);
+  std::vector<float> cgates(slots);
+  std::vector<std::int8_t> cstatus(slots);
+  mr::admission_report crep;
+  mr::cpu::admit(r, p, in, mr::admission_outputs{cidx.data(), cgates.data(), cstatus.data(), &crep});
+
+  const std::size_t bytes = cad::admit_bytes<emu::executor, Policy>(ex, b.N, b.K, b.E, b.G);
+  std::vector<unsigned char> ws(bytes + 1);
+  for (int run = 0; run < 2; ++run) {  // twice: a reused workspace gives the same bits
+    std::vector<std::int32_t> eidx(slots, 99);
+    std::vector<float> egates(slots, 99.0f);
+    std::vector<std::int8_t> estatus(slots, 99);
+    mr::admission_report erep;
+    erep.kept = 12345;
+    cad::launch_admit(ex, r, p, in, mr::admission_outputs{eidx.data(), egates.data(), estatus.data(), &erep},
+                      ws.data() + run, bytes, bytes);
+    CHECK(eidx == cidx);
+    CHECK(estatus == cstatus);
+    CHECK(same_bits(egates, cgates));
+    CHECK(same_report(erep, crep));
+  }
+  for (int align : {1, 8}) {
+    const int R = b.E % 4 == 0 ? 4 : 1;
+    check_dispatch(mr::dispatch_inputs{cidx.data(), b.N, b.K, b.E, align, R, nullptr});
+  }
+}
+
+template <class Router>
+void all_policies(const Router& r, const batch& b) {
+  admission_cases::for_each_policy([&](const auto& p, const char* what) { check_admit(r, p, b, what); });
+}
+
+}  // namespace
+
+TEST_CASE("emulated CUDA admission: every policy, bit-identical to cpu::admit, and its dispatch") {
+  {
+    auto r = mr::presets::qwen3();
+    all_policies(r, make_batch(r, 1, 96, 128, 0, 1, false));
+    all_policies(r, make_batch(r, 2, 80, 128, 2, 4, false));  // ties, groups (one empty)
+    all_policies(r, make_batch(r, 3, 70, 128, 0, 3, true));   // per-expert capacities
+  }
+  {
+    auto r = mr::presets::deepseek_v3();  // sigmoid, group-limited
+    all_policies(r, make_batch(r, 5, 64, 256, 1, 2, false));
+  }
+  {
+    auto r = mr::presets::mixtral();  // softmax after top-k
+    all_policies(r, make_batch(r, 8, 99, 8, 1, 3, true));
+  }
+  {  // E not a multiple of 32 and several scratch words per warp, K = 8.
+    mr::router<mr::gating::sigmoid, mr::selection::top_k, 8> r;
+    r.top_k = 8;
+    all_policies(r, make_batch(r, 9, 40, 100, 0, 1, false));
+  }
+  {  // E = 1 and K = E.
+    mr::router<mr::gating::softmax, mr::selection::top_k, 8> r;
+    r.top_k = 1;
+    all_policies(r, make_batch(r, 10, 20, 1, 0, 1, false));
+    r.top_k = 6;
+    all_policies(r, make_batch(r, 11, 30, 6, 0, 1, false));
+  }
+  {  // N = 0: the report is zeroed, nothing else written.
+    auto r = mr::presets::qwen3();
+    all_policies(r, make_batch(r, 12, 0, 128, 0, 1, false));
+  }
+}
+
+TEST_CASE("emulated CUDA admission with bf16 logits == cpu::admit") {
+  auto r = mr::presets::deepseek_v3();
+  batch b = make_batch(r, 13, 48, 256, 0, 1, false);
+  std::vector<mr::bfloat16> zb(b.z.size());
+  for (std::size_t i = 0; i < zb.size(); ++i) zb[i] = mr::bfloat16::from_float(b.z[i]);
+  mr::cpu::route(r, mr::route_inputs<mr::bfloat16>{zb.data(), b.N, b.E, b.bias.data()},
+                 mr::route_outputs{b.routed.data(), b.gates.data()});
+  const emu::executor ex;
+  for (int variant = 0; variant < 2; ++variant) {
+    const auto p = variant == 0 ? ad::cipher_reroute(0.0f, 1.0, 1.0) : ad::cipher_reroute(0.01f, 0.5, 1.0);
+    const mr::admission_inputs<mr::bfloat16> in = admission_inputs_of(b, zb.data());
+    const std::int64_t slots = b.N * b.K;
+    std::vector<std::int32_t> cidx(slots), eidx(slots);
+    std::vector<float> cgates(slots), egates(slots);
+    mr::cpu::admit(r, p, in, mr::admission_outputs{cidx.data(), cgates.data()});
+    const std::size_t bytes = cad::admit_bytes<emu::executor, decltype(p)>(ex, b.N, b.K, b.E, 1);
+    std::vector<unsigned char> ws(bytes);
+    cad::launch_admit(ex, r, p, in, mr::admission_outputs{eidx.data(), egates.data()}, ws.data(), bytes, bytes);
+    CHECK(eidx == cidx);
+    CHECK(same_bits(egates, cgates));
+  }
+}
+
+TEST_CASE("emulated CUDA admission: invalid input is dropped and counted, the rest admitted") {
+  // The CPU backend rejects these inputs; the device reads no array on the
+  // host, so it drops the slot and counts it. With room for everything and
+  // tau below every affinity, every other slot is kept.
+  auto r = mr::presets::qwen3();
+  batch b = make_batch(r, 14, 40, 128, 0, 3, false);
+  b.routed[5 * b.K + 2] = b.E;  // expert out of range
+  b.groups[11] = 7;             // group out of range: all K slots of token 11
+  b.xn[20] = 0.0f;              // cosine: a norm that is not > 0
+  for (const std::int64_t t : {4, 9})  // finite affinities everywhere (rows 4 and 9 hold NaN and +-inf)
+    std::fill(b.z.begin() + t * b.E, b.z.begin() + (t + 1) * b.E, 0.25f);
+  const auto p = ad::cipher_strict(-1.0e30f, 100.0);
+  const emu::executor ex;
+  const mr::admission_inputs<float> in = admission_inputs_of(b, b.z.data());
+  const std::int64_t slots = b.N * b.K;
+  std::vector<std::int32_t> idx(slots);
+  std::vector<float> gates(slots);
+  std::vector<std::int8_t> status(slots);
+  mr::admission_report rep;
+  const std::size_t bytes = cad::admit_bytes<emu::executor, decltype(p)>(ex, b.N, b.K, b.E, b.G);
+  std::vector<unsigned char> ws(bytes);
+  cad::launch_admit(ex, r, p, in, mr::admission_outputs{idx.data(), gates.data(), status.data(), &rep}, ws.data(),
+                    bytes, bytes);
+  const auto invalid_slot = [&](std::int64_t s) { return s == 5 * b.K + 2 || s / b.K == 11 || s / b.K == 20; };
+  std::int64_t expected_invalid = 0;
+  for (std::int64_t s = 0; s < slots; ++s) {
+    CAPTURE(s);
+    if (invalid_slot(s)) {
+      ++expected_invalid;
+      CHECK(idx[s] == -1);
+      CHECK(status[s] == static_cast<std::int8_t>(ad::slot_status::dropped));
+    } else {
+      CHECK(idx[s] == b.routed[s]);
+      CHECK(status[s] == static_cast<std::int8_t>(ad::slot_status::kept));
+    }
+  }
+  CHECK(rep.invalid == expected_invalid);
+  CHECK(rep.kept == slots - expected_invalid);
+  CHECK(rep.dropped == expected_invalid);
+  CHECK(rep.tokens_without_experts == 2);  // tokens 11 and 20
+}
+
+TEST_CASE("emulated CUDA expert_choice == cpu::expert_choice, its backward and its dispatch") {
+  const emu::executor ex;
+  const expert_choice_shape shapes[] = {
+      {100, 64, 0, 1, false, 1.0},
+      {90, 128, 2, 3, false, 1.5},
+      {70, 32, 1, 2, true, 1.0},
+      {40, 1, 0, 1, false, 0.5},
+      {33, 100, 0, 1, false, 0.0},
+  };
+  for (const expert_choice_shape& s : shapes) {
+    CAPTURE(s.E);
+    mr::router<mr::gating::softmax, mr::selection::top_k, 8> r;
+    r.top_k = 1;
+    const batch b = make_batch(r, 20 + s.E, s.N, s.E, s.levels, s.G, s.cap);
+    mr::selection::expert_choice p;
+    p.capacity_factor = s.factor;
+    p.min_capacity = s.factor == 0.0 ? 3 : 0;
+    const mr::expert_choice_inputs<float> in = expert_choice_inputs_of(b);
+    const std::int64_t pairs = b.N * b.E;
+    std::vector<std::int32_t> cidx(pairs), cper(b.N), eidx(pairs, 9), eper(b.N, 9);
+    std::vector<float> cgates(pairs), egates(pairs, 9.0f);
+    mr::expert_choice_report crep, erep;
+    erep.assignments = 777;
+    mr::cpu::expert_choice(p, in, mr::expert_choice_outputs{cidx.data(), cgates.data(), cper.data(), &crep});
+    const std::size_t bytes = cad::make_ec_layout(ex, nullptr, b.N, b.E, b.G).bytes;
+    std::vector<unsigned char> ws(bytes);
+    cad::launch_expert_choice(ex, p, in, mr::expert_choice_outputs{eidx.data(), egates.data(), eper.data(), &erep},
+                              ws.data(), bytes);
+    CHECK(eidx == cidx);
+    CHECK(eper == cper);
+    CHECK(same_bits(egates, cgates));
+    CHECK(erep.assignments == crep.assignments);
+    CHECK(erep.tokens_without_experts == crep.tokens_without_experts);
+    CHECK(erep.max_experts_per_token == crep.max_experts_per_token);
+    CHECK(erep.invalid == 0);
+
+    std::vector<float> dg(pairs), cdz(pairs), edz(pairs, 9.0f);
+    for (std::int64_t i = 0; i < pairs; ++i) dg[i] = static_cast<float>(static_cast<int>(i % 9) - 4) / 8.0f;
+    mr::cpu::expert_choice_backward(in, cidx.data(), dg.data(), cdz.data());
+    cad::launch_expert_choice_backward(ex, in, cidx.data(), dg.data(), edz.data());
+    CHECK(same_bits(edz, cdz));
+
+    check_dispatch(mr::dispatch_inputs{cidx.data(), b.N, b.E, b.E, 16, 1, nullptr});
+  }
+}
+
+TEST_CASE("emulated CUDA expert_choice: tokens of an invalid group are never picked and are counted") {
+  const std::int64_t N = 30;
+  const int E = 16;
+  std::vector<float> z(N * E);
+  for (std::size_t i = 0; i < z.size(); ++i) z[i] = static_cast<float>((i * 37) % 11) / 4.0f;
+  std::vector<std::int32_t> groups(N, 0);
+  groups[3] = -1;
+  groups[17] = 2;
+  mr::selection::expert_choice p;
+  p.capacity_factor = 100.0;  // room for every valid token
+  mr::expert_choice_inputs<float> in;
+  in.logits = z.data();
+  in.num_tokens = N;
+  in.num_experts = E;
+  in.group_ids = groups.data();
+  in.num_groups = 2;
+  const emu::executor ex;
+  std::vector<std::int32_t> idx(N * E), per(N);
+  std::vector<float> gates(N * E);
+  mr::expert_choice_report rep;
+  const std::size_t bytes = cad::make_ec_layout(ex, nullptr, N, E, 2).bytes;
+  std::vector<unsigned char> ws(bytes);
+  cad::launch_expert_choice(ex, p, in, mr::expert_choice_outputs{idx.data(), gates.data(), per.data(), &rep},
+                            ws.data(), bytes);
+  for (std::int64_t t = 0; t < N; ++t) {
+    CAPTURE(t);
+    const bool invalid = t == 3 || t == 17;
+    CHECK(per[t] == (invalid ? 0 : E));
+    for (int j = 0; j < E; ++j) CHECK(idx[t * E + j] == (invalid ? -1 : j));
+  }
+  CHECK(rep.invalid == 2);
+  CHECK(rep.tokens_without_experts == 2);
+  CHECK(rep.assignments == (N - 2) * E);
+  CHECK(rep.max_experts_per_token == E);
+}
+
+TEST_CASE("emulated CUDA dispatch == cpu::dispatch: rank map, everything dropped, N = 0, invalid entries") {
+  std::mt19937 rng(31);
+  const std::int64_t N = 300;
+  const int E = 96, S = 6;
+  std::vector<std::int32_t> idx(N * S);
+  std::uniform_int_distribution<int> ue(-1, E - 1);
+  for (auto& x : idx) x = ue(rng);  // duplicates within a token are fine for dispatch
+  std::vector<std::int32_t> map(E);
+  for (int e = 0; e < E; ++e) map[e] = (e * 7) % 5;
+  for (int variant = 0; variant < 3; ++variant) {
+    CAPTURE(variant);
+    std::vector<std::int32_t> in = idx;
+    if (variant == 1) std::fill(in.begin(), in.end(), -1);
+    const std::int64_t n_tokens = variant == 2 ? 0 : N;
+    check_dispatch(mr::dispatch_inputs{in.data(), n_tokens, S, E, 128, 5, map.data()});
+    check_dispatch(mr::dispatch_inputs{in.data(), n_tokens, S, E, 1, 3, nullptr});
+  }
+  // Entries outside [-1, E) (the CPU backend rejects them) are dispatched as -1.
+  std::vector<std::int32_t> bad = idx, clean = idx;
+  for (std::size_t i = 0; i < bad.size(); i += 13) {
+    bad[i] = i % 2 ? E + 5 : -9;
+    clean[i] = -1;
+  }
+  const emu::executor ex;
+  const std::int64_t bound = mr::dispatch_rows_bound(N, S, E, 4);
+  std::vector<std::int64_t> counts(E), offsets(E + 1), perm(bound), inv(N * S);
+  mr::cpu::dispatch(mr::dispatch_inputs{clean.data(), N, S, E, 4, 1, nullptr},
+                    mr::dispatch_outputs{counts.data(), offsets.data(), perm.data(), inv.data()});
+  std::vector<std::int64_t> ecounts(E), eoffsets(E + 1), eperm(bound), einv(N * S);
+  const std::size_t bytes = cad::make_dispatch_layout(ex, nullptr, static_cast<int>(N * S), E).bytes;
+  std::vector<unsigned char> ws(bytes);
+  cad::launch_dispatch(ex, mr::dispatch_inputs{bad.data(), N, S, E, 4, 1, nullptr},
+                       mr::dispatch_outputs{ecounts.data(), eoffsets.data(), eperm.data(), einv.data()}, ws.data(),
+                       bytes, bytes);
+  CHECK(ecounts == counts);
+  CHECK(eoffsets == offsets);
+  CHECK(eperm == perm);
+  CHECK(einv == inv);
+}
