@@ -14,8 +14,12 @@
 #include <vector>
 
 #include <moe_route/admission/admission.hpp>
+#include <moe_route/backend/cpu/expert_choice.hpp>
 #include <moe_route/backend/cpu/route.hpp>
+#include <moe_route/gating/softmax.hpp>
+#include <moe_route/router.hpp>
 #include <moe_route/selection/expert_choice.hpp>
+#include <moe_route/selection/top_k.hpp>
 #include <moe_route/types.hpp>
 
 namespace admission_cases {
@@ -124,6 +128,34 @@ struct expert_choice_shape {
   bool cap;
   double factor;
 };
+
+// An expert-choice case: its batch, policy and inputs, and the CPU outputs
+// (the reference of both parity tests).
+struct expert_choice_case {
+  batch b;
+  mr::selection::expert_choice policy;
+  mr::expert_choice_inputs<float> in;
+  std::vector<std::int32_t> indices, experts_per_token;
+  std::vector<float> gates;
+  mr::expert_choice_report report;
+};
+
+inline expert_choice_case make_expert_choice_case(const expert_choice_shape& s) {
+  expert_choice_case c;
+  mr::router<mr::gating::softmax, mr::selection::top_k, 8> r;
+  r.top_k = 1;
+  c.b = make_batch(r, 20 + s.E, s.N, s.E, s.levels, s.G, s.cap);
+  c.policy.capacity_factor = s.factor;
+  c.policy.min_capacity = s.factor == 0.0 ? 3 : 0;
+  c.in = expert_choice_inputs_of(c.b);
+  const std::int64_t pairs = s.N * s.E;
+  c.indices.resize(pairs);
+  c.gates.resize(pairs);
+  c.experts_per_token.resize(s.N);
+  mr::cpu::expert_choice(c.policy, c.in,
+                         mr::expert_choice_outputs{c.indices.data(), c.gates.data(), c.experts_per_token.data(), &c.report});
+  return c;
+}
 
 // Calls check(policy, name) for every admission policy of the sweep.
 template <class Check>

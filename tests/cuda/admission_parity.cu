@@ -35,8 +35,9 @@ namespace mr = moe_route;
 namespace ad = moe_route::admission;
 using admission_cases::admission_inputs_of;
 using admission_cases::batch;
-using admission_cases::expert_choice_inputs_of;
+using admission_cases::expert_choice_case;
 using admission_cases::expert_choice_shape;
+using admission_cases::make_expert_choice_case;
 using admission_cases::make_batch;
 using admission_cases::same_bits;
 using admission_cases::same_report;
@@ -261,18 +262,12 @@ TEST_CASE("cuda expert_choice == cpu expert_choice, and its dispatch" * doctest:
   };
   for (const expert_choice_shape& s : shapes) {
     CAPTURE(s.E);
-    mr::router<mr::gating::softmax, mr::selection::top_k, 8> r;
-    r.top_k = 1;
-    const batch b = make_batch(r, 20 + s.E, s.N, s.E, s.levels, s.G, s.cap);
-    mr::selection::expert_choice p;
-    p.capacity_factor = s.factor;
-    p.min_capacity = s.factor == 0.0 ? 3 : 0;
-    const mr::expert_choice_inputs<float> hin = expert_choice_inputs_of(b);
+    const expert_choice_case c = make_expert_choice_case(s);
+    const batch& b = c.b;
+    const mr::selection::expert_choice& p = c.policy;
+    const mr::expert_choice_inputs<float>& hin = c.in;
+    const std::vector<std::int32_t>& cidx = c.indices;
     const std::int64_t pairs = b.N * b.E;
-    std::vector<std::int32_t> cidx(pairs), cper(b.N);
-    std::vector<float> cgates(pairs);
-    mr::expert_choice_report crep;
-    mr::cpu::expert_choice(p, hin, mr::expert_choice_outputs{cidx.data(), cgates.data(), cper.data(), &crep});
     device_vector<float> z(b.z);
     device_vector<std::int32_t> groups(b.groups.empty() ? std::vector<std::int32_t>{0} : b.groups);
     device_vector<std::int64_t> cap(b.capacity.empty() ? std::vector<std::int64_t>{0} : b.capacity);
@@ -289,12 +284,12 @@ TEST_CASE("cuda expert_choice == cpu expert_choice, and its dispatch" * doctest:
                             ws.get(), bytes);
     cuda_ok(cudaDeviceSynchronize(), "expert_choice");
     CHECK(didx.download() == cidx);
-    CHECK(dper.download() == cper);
-    CHECK(same_bits(dgates.download(), cgates));
+    CHECK(dper.download() == c.experts_per_token);
+    CHECK(same_bits(dgates.download(), c.gates));
     const auto dr = drep.download()[0];
-    CHECK(dr.assignments == crep.assignments);
-    CHECK(dr.tokens_without_experts == crep.tokens_without_experts);
-    CHECK(dr.max_experts_per_token == crep.max_experts_per_token);
+    CHECK(dr.assignments == c.report.assignments);
+    CHECK(dr.tokens_without_experts == c.report.tokens_without_experts);
+    CHECK(dr.max_experts_per_token == c.report.max_experts_per_token);
     CHECK(dr.invalid == 0);
     // Backward of the expert-choice gates.
     {
