@@ -35,7 +35,8 @@ if with_cuda:
         include_dirs=[include],
         define_macros=[("MOE_ROUTE_PYTHON_WITH_CUDA", None)],
         extra_compile_args={
-            "cxx": ["-O2", "-std=c++17"],
+            # C++20 for PyTorch 2.15's headers; the .cu sources do not include torch.
+            "cxx": ["-O2", "-std=c++20"],
             # torch turns off the half/bfloat16 operators for its own kernels; the library's use them.
             "nvcc": ["-O3", "-std=c++17", "--threads=0", "-U__CUDA_NO_HALF_OPERATORS__",
                      "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
@@ -43,7 +44,7 @@ if with_cuda:
         },
     )
 else:
-    extension = CppExtension("moe_route._C", cpp, include_dirs=[include], extra_compile_args=["-O2", "-std=c++17"])
+    extension = CppExtension("moe_route._C", cpp, include_dirs=[include], extra_compile_args=["-O2", "-std=c++20"])
 
 setup(
     name="moe_route",

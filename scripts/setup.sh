@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# Installs what moe_route's build, tests, benchmarks and examples need from
-# Debian 12 packages. Idempotent: packages already present are left alone.
+# Installs what moe_route's build, tests, benchmarks and examples need: Debian
+# 12 packages, and PyTorch with the Python test tools from PyPI into the
+# project's virtual environment .venv (scripts/env.sh puts it first on PATH,
+# and CMake finds LibTorch inside it: cmake/torch.cmake). One PyTorch serves
+# the Python extension, the moe_lm driver and the benchmarks' LibTorch peers.
+# Idempotent: what is already present is left alone.
 set -euo pipefail
 
-# libopenblas0-serial: Debian's LibTorch and python3-torch call the system
-# libblas.so.3, which Debian points at OpenBLAS once it is installed (moe_lm's
-# training steps run about 4x faster than on the reference BLAS); the serial
-# build keeps every product independent of the thread count.
-packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev libtorch-dev pkgconf libigraph-dev libcli11-dev
-          nlohmann-json3-dev libxtensor-dev gnuplot-nox libopenblas0-serial
-          python3-dev python3-torch python3-pybind11 pybind11-dev python3-pytest python3-numpy
+packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev pkgconf libigraph-dev libcli11-dev
+          nlohmann-json3-dev libxtensor-dev gnuplot-nox python3-dev python3-venv
           libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do
@@ -22,4 +21,16 @@ if ((${#missing[@]})); then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 else
   echo "setup: all packages present"
+fi
+
+# PyPI's torch for Linux x86-64 is its CUDA build (the CUDA libraries come as
+# nvidia-* wheels, about 5 GB in all); it runs on machines without a GPU.
+torch_version=2.15.0
+venv="$(cd "$(dirname "$0")/.." && pwd)/.venv"
+if "$venv/bin/python" -c "import sys, torch, pytest, pybind11, numpy; sys.exit(torch.__version__.split('+')[0] != '$torch_version')" 2>/dev/null; then
+  echo "setup: $venv has torch $torch_version"
+else
+  echo "setup: creating $venv with torch $torch_version from PyPI"
+  /usr/bin/python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version" "pytest==9.2.0" "pybind11==3.1.0" "numpy==2.4.6"
 fi

@@ -1,7 +1,7 @@
 """The extension against the same routing composed from PyTorch ops, forward and
 forward+backward, in one process on the same inputs (docs/performance.md).
 
-    PYTHONPATH=build/default/python /usr/bin/python3 python/bench/bench_extension.py [--threads 1] [--device cpu]
+    PYTHONPATH=build/default/python .venv/bin/python python/bench/bench_extension.py [--threads 1] [--device cpu]
 
 Prints one row per case: median time of each side and the ratio torch/moe_route."""
 
