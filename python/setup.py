@@ -4,7 +4,7 @@ Builds moe_route._C from the library's headers with torch's extension
 machinery, against the torch already installed (hence no build isolation).
 With a CUDA torch and nvcc (CUDA_HOME, or nvcc on PATH) it also compiles the
 CUDA branch: the runtime routers' CUDA instances (src/cuda_runtime*.cu) and
-MOE_ROUTE_PYTHON_WITH_CUDA in bindings.cpp, for the architectures in
+MOE_ROUTE_TORCH_WITH_CUDA in bindings.cpp, for the architectures in
 TORCH_CUDA_ARCH_LIST (torch's default: the visible GPUs). MOE_ROUTE_CPU_ONLY=1
 skips it. The CMake build (python/CMakeLists.txt) compiles the same sources
 for the test suite."""
@@ -33,7 +33,7 @@ if with_cuda:
         "moe_route._C",
         cpp + sources("../src/cuda_runtime*.cu"),
         include_dirs=[include],
-        define_macros=[("MOE_ROUTE_PYTHON_WITH_CUDA", None)],
+        define_macros=[("MOE_ROUTE_TORCH_WITH_CUDA", None)],
         extra_compile_args={
             # C++20 for PyTorch 2.15's headers; the .cu sources do not include torch.
             "cxx": ["-O2", "-std=c++20"],

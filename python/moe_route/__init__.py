@@ -4,7 +4,7 @@ forward and backward, as PyTorch ops and modules. See docs/python.md."""
 
 import torch  # noqa: F401  (first: it loads the libtorch symbols that _C resolves at import)
 
-from . import _C, prior
+from . import _C, _ops, prior  # noqa: F401  (_ops: the operators' fakes and autograd)
 from .config import GATINGS, PENALTIES, PRIORS, SELECTIONS, Admission, RouterConfig
 from .functional import (Dispatch, ExpertChoiceResult, RouteResult, dispatch, expert_choice, route, router_l2,
                          update_expert_bias)

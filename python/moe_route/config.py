@@ -3,9 +3,8 @@ library's run-time parameters (include/moe_route/runtime/config.hpp)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from . import _C
@@ -16,14 +15,48 @@ PRIORS = ("none", "log_prior_bias", "prior_override")
 PENALTIES = tuple(_C.penalty_names)
 
 
+def _text_of(value) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return repr(value)  # the shortest text that reads back to the same double
+    return str(value)
+
+
 class _Fields:
     """Rejects attributes that are not fields, so a misspelt option (cfg.topk = 4)
-    raises instead of being silently ignored."""
+    raises instead of being silently ignored; keeps the text form the operators
+    take ("field=value;...", include/moe_route/adapters/detail/config_text.hpp),
+    made again after any change."""
 
     def __setattr__(self, name, value):
         if name not in self.__dataclass_fields__:
             raise AttributeError(f"moe_route: {type(self).__name__} has no field '{name}'")
         object.__setattr__(self, name, value)
+        object.__setattr__(self, "_text", None)
+
+    def to_text(self) -> str:
+        text = getattr(self, "_text", None)
+        if text is None:
+            text = ";".join(f"{f}={_text_of(getattr(self, f))}" for f in self.__dataclass_fields__
+                            if getattr(self, f) is not None)
+            object.__setattr__(self, "_text", text)
+        return text
+
+    @classmethod
+    def _from_text(cls, text: str, **overrides):
+        fields = {}
+        for item in filter(None, text.split(";")):
+            name, value = item.split("=", 1)
+            default = cls.__dataclass_fields__[name].default
+            if isinstance(default, bool) or default is None:
+                fields[name] = value == "1"
+            elif isinstance(default, (int, float)) and not isinstance(default, str):
+                fields[name] = type(default)(value)
+            else:
+                fields[name] = value
+        fields.update(overrides)
+        return cls(**fields)
 
 
 @dataclass
@@ -63,10 +96,7 @@ class RouterConfig(_Fields):
     def preset(cls, name: str, **overrides) -> "RouterConfig":
         """A published model's router (deepseek_v2_lite, moonlight, deepseek_v3,
         qwen3, mixtral, deepseek_v4), with any field overridden."""
-        fields = dict(_C.preset(name))
-        fields.pop("num_experts")
-        fields.update(overrides)
-        return cls(**fields)
+        return cls._from_text(_C.preset(name)["config"], **overrides)
 
     @staticmethod
     def preset_experts(name: str) -> int:
@@ -76,12 +106,6 @@ class RouterConfig(_Fields):
     @property
     def uses_expert_bias(self) -> bool:
         return self.selection in ("expert_bias", "group_limited_bias")
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        if d["normalize"] is None:
-            d["normalize"] = _C.normalizes_by_default(self.gating)
-        return d
 
 
 @dataclass
@@ -114,9 +138,6 @@ class Admission(_Fields):
     @property
     def renormalizes(self) -> bool:
         return not self.is_dropless and self.overflow == "drop" and self.renormalize
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
     @classmethod
     def dropless(cls) -> "Admission":

@@ -4,12 +4,11 @@ expert_choice, router_l2 and the expert-bias update."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Union
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from . import _C
+from ._ops import ADMISSION_REPORT, EXPERT_CHOICE_REPORT, ops
 from .config import PENALTIES, Admission, RouterConfig
 
 Tensor = torch.Tensor
@@ -29,15 +28,17 @@ def _as_logits(logits: Tensor) -> Tensor:
         raise TypeError(f"moe_route: logits must be float32, bfloat16 or float16, got {logits.dtype}")
     if logits.dim() != 2:
         raise ValueError(f"moe_route: logits must have shape [tokens, experts], got {list(logits.shape)}")
-    return logits.detach().to(torch.float32)
+    return logits.to(torch.float32)
 
 
 @dataclass
 class Dispatch:
     """Where each admitted assignment goes (docs/admission.md §5): expert e owns rows
     [offsets[e], offsets[e+1]) of the expert-major buffer; permutation maps a row
-    to its slot id t*S + j (-1 = padding), inverse maps a slot to its row (-1 = not
-    executed); rank_counts are the assignments sent to each expert-parallel rank."""
+    to its slot id t*S + j (-1 = padding, and every row from offsets[E] on: its
+    length is the bound N*S + E*(align - 1), so no count is read back); inverse
+    maps a slot to its row (-1 = not executed); rank_counts are the assignments
+    sent to each expert-parallel rank."""
 
     tokens_per_expert: Tensor
     offsets: Tensor
@@ -45,16 +46,27 @@ class Dispatch:
     inverse: Tensor
     rank_counts: Tensor
 
+    @property
+    def rows(self) -> Tensor:
+        """The rows used, offsets[E], a 0-d tensor on the indices' device."""
+        return self.offsets[-1]
+
 
 def dispatch(indices: Tensor, num_experts: int, *, align: int = 1, num_ranks: int = 1,
              expert_rank: Optional[Tensor] = None) -> Dispatch:
     """Dispatch metadata for indices [N, S] (-1 = not executed)."""
-    return Dispatch(*_C.dispatch(indices, int(num_experts), int(align), int(num_ranks), expert_rank))
+    return Dispatch(*ops.dispatch(indices, int(num_experts), int(align), int(num_ranks), expert_rank))
+
+
+def _report(counts: Tensor, names) -> dict:
+    return dict(zip(names, counts.tolist()))
 
 
 @dataclass
 class RouteResult:
-    """What a Megatron-style MoE layer consumes from one routing call."""
+    """What a Megatron-style MoE layer consumes from one routing call. Every field
+    is a tensor on the logits' device; admission_report reads its counters back
+    only when asked."""
 
     indices: Tensor  # [N, K] int32: the admitted experts (-1 = dropped)
     gates: Tensor  # [N, K] float32, differentiable w.r.t. the logits
@@ -63,8 +75,12 @@ class RouteResult:
     status: Optional[Tensor]  # [N, K] int8: 0 kept, 1 dropped, 2 rerouted; None without admission
     penalty_values: Tensor  # [5] float32 in PENALTIES order, differentiable
     dispatch: Dispatch
-    nonfinite_rows: int
-    admission_report: Optional[dict]
+    nonfinite_rows: Tensor  # int64 []: rows with a non-finite logit
+    admission_counts: Optional[Tensor]  # int64 [8] (ADMISSION_REPORT order); None without admission
+
+    @property
+    def admission_report(self) -> Optional[dict]:
+        return None if self.admission_counts is None else _report(self.admission_counts, ADMISSION_REPORT)
 
     @property
     def penalties(self) -> Dict[str, Tensor]:
@@ -80,40 +96,6 @@ class RouteResult:
         return self.dispatch.tokens_per_expert
 
 
-class _RouteFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, config, inputs, training, threads, admission, admission_args, side):
-        z = _as_logits(logits)
-        indices, gates, values, workspace, nonfinite = _C.route_forward(z, config, inputs, training, threads)
-        admitted = None
-        if admission is not None:
-            admitted, admitted_gates, status, report = _C.admit(z, config, admission, indices, gates,
-                                                                *admission_args, threads)
-            side.update(status=status, report=report)
-        else:
-            admitted_gates = gates.clone()
-        side.update(indices=indices, routed_gates=gates, admitted=admitted, nonfinite=nonfinite)
-        ctx.save_for_backward(z, indices, admitted, workspace)
-        ctx.config, ctx.inputs, ctx.training, ctx.threads = config, inputs, training, threads
-        ctx.renormalize = admission is not None and admission["kind"] != "dropless" and \
-            admission["overflow"] == "drop" and admission["renormalize"]
-        ctx.logits_dtype = logits.dtype
-        return admitted_gates, values.to(torch.float32)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_gates, grad_values):
-        z, indices, admitted, workspace = ctx.saved_tensors
-        if grad_gates is None:
-            grad_gates = torch.zeros(indices.shape, dtype=torch.float32, device=z.device)
-        if grad_values is None:
-            grad_values = torch.zeros(len(PENALTIES), dtype=torch.float32, device=z.device)
-        grad = _C.route_backward(z, ctx.config, ctx.inputs, ctx.training, ctx.threads, indices,
-                                 grad_gates.to(torch.float32), grad_values.to(torch.float32), workspace,
-                                 admitted, ctx.renormalize)
-        return grad.to(ctx.logits_dtype), None, None, None, None, None, None, None
-
-
 def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
           expert_bias: Optional[Tensor] = None,
           prior_bias: Optional[Tensor] = None, prior_probs: Optional[Tensor] = None,
@@ -127,20 +109,21 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
           capacity: Optional[Tensor] = None,
           dispatch_align: int = 1, num_ranks: Optional[int] = None,
           threads: Optional[int] = None) -> RouteResult:
-    """Route logits [N, E] with `config`; optionally admit with `admission`.
+    """Route logits [N, E] with `config`; optionally admit with `admission`
+    (torch.ops.moe_route.route, then torch.ops.moe_route.dispatch).
 
     training=False is evaluation: no prior, penalty values 0 (the bias-free probe).
     The prior tensors come from moe_route.prior.prepare; token_prior_row [N] holds
     each token's row (-1: none). expert_rank [E] and rank serve the locality
-    penalty and the per-rank dispatch counts; group_ids [N] are the admission
-    groups (one per expert-parallel rank's micro-batch).
+    penalty and the per-rank dispatch counts (num_ranks: the number of ranks,
+    by default read from expert_rank, which waits for its device); group_ids [N]
+    are the admission groups (one per expert-parallel rank's micro-batch).
     """
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"moe_route: logits must be a torch.Tensor, got {type(logits).__name__}")
     if not isinstance(config, RouterConfig):
         raise TypeError(f"moe_route: config must be a RouterConfig, got {type(config).__name__}")
     if admission is not None and not isinstance(admission, Admission):
         raise TypeError(f"moe_route: admission must be an Admission, got {type(admission).__name__}")
+    z = _as_logits(logits)
     if config.uses_expert_bias and expert_bias is None:
         raise ValueError(f"moe_route: selection '{config.selection}' needs expert_bias [E]")
     if (admission is not None and not admission.is_dropless and admission.overflow == "reroute" and training
@@ -150,23 +133,18 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
                          "the biased logits; use drop admission or bias_gates=False")
     if admission is not None and admission.needs_norms and (hidden_norms is None or weight_norms is None):
         raise ValueError("moe_route: cosine affinity needs hidden_norms [N] and weight_norms [E]")
-    num_experts = logits.shape[-1] if logits.dim() == 2 else 0
-    cfg = config.to_dict()
-    inputs = dict(expert_bias=expert_bias, prior_bias=prior_bias, prior_probs=prior_probs,
-                  token_prior_row=token_prior_row, sequence_ids=sequence_ids, num_sequences=num_sequences,
-                  load_fractions=load_fractions, expert_rank=expert_rank, rank=int(rank))
     admitting = admission is not None and not admission.is_dropless
-    side: dict = {}
-    gates, values = _RouteFunction.apply(
-        logits, cfg, inputs, bool(training), _threads(threads),
-        admission.to_dict() if admitting else None,
-        (hidden_norms, weight_norms, group_ids, int(num_groups), capacity), side)
-    final = side["admitted"] if admitting else side["indices"]
+    (gates, values, indices, routed_indices, routed_gates, status, _, nonfinite, counts) = ops.route(
+        z, config.to_text(), expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
+        0 if num_sequences is None else int(num_sequences), load_fractions, expert_rank, int(rank), bool(training),
+        admission.to_text() if admitting else "", hidden_norms, weight_norms, group_ids, int(num_groups), capacity,
+        _threads(threads))
     if num_ranks is None:
         num_ranks = int(expert_rank.max().item()) + 1 if expert_rank is not None and expert_rank.numel() else 1
-    meta = dispatch(final, num_experts, align=dispatch_align, num_ranks=num_ranks, expert_rank=expert_rank)
-    return RouteResult(final, gates, side["indices"], side["routed_gates"], side.get("status"), values, meta,
-                       int(side["nonfinite"]), side.get("report"))
+    meta = dispatch(indices, z.shape[1], align=dispatch_align, num_ranks=num_ranks, expert_rank=expert_rank)
+    return RouteResult(indices, gates, routed_indices,
+                       routed_gates, status if admitting else None, values, meta, nonfinite,
+                       counts if admitting else None)
 
 
 @dataclass
@@ -175,26 +153,11 @@ class ExpertChoiceResult:
     gates: Tensor  # [N, E] float32, differentiable
     experts_per_token: Tensor  # [N] int32
     dispatch: Dispatch  # slots per token = E
-    report: dict
+    counts: Tensor  # int64 [4] (EXPERT_CHOICE_REPORT order)
 
-
-class _ExpertChoiceFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, top_k, capacity_factor, min_capacity, group_ids, num_groups, capacity, threads, side):
-        z = _as_logits(logits)
-        indices, gates, per_token, report = _C.expert_choice(z, top_k, capacity_factor, min_capacity, group_ids,
-                                                             num_groups, capacity, threads)
-        side.update(indices=indices, per_token=per_token, report=report)
-        ctx.save_for_backward(z, indices)
-        ctx.threads, ctx.logits_dtype = threads, logits.dtype
-        return gates
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_gates):
-        z, indices = ctx.saved_tensors
-        grad = _C.expert_choice_backward(z, indices, grad_gates.to(torch.float32), ctx.threads)
-        return grad.to(ctx.logits_dtype), None, None, None, None, None, None, None, None
+    @property
+    def report(self) -> dict:
+        return _report(self.counts, EXPERT_CHOICE_REPORT)
 
 
 def expert_choice(logits: Tensor, *, top_k: int = 2, capacity_factor: float = 1.0, min_capacity: int = 0,
@@ -202,28 +165,11 @@ def expert_choice(logits: Tensor, *, top_k: int = 2, capacity_factor: float = 1.
                   dispatch_align: int = 1, num_ranks: int = 1, expert_rank: Optional[Tensor] = None,
                   threads: Optional[int] = None) -> ExpertChoiceResult:
     """Expert-choice routing (each expert picks its top-C tokens by softmax score)."""
-    side: dict = {}
-    gates = _ExpertChoiceFunction.apply(logits, int(top_k), float(capacity_factor), int(min_capacity), group_ids,
-                                        int(num_groups), capacity, _threads(threads), side)
-    meta = dispatch(side["indices"], logits.shape[-1], align=dispatch_align, num_ranks=num_ranks,
-                    expert_rank=expert_rank)
-    return ExpertChoiceResult(side["indices"], gates, side["per_token"], meta, side["report"])
-
-
-class _RouterL2Function(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, coefficient, layers, *tensors):
-        weights, base = list(tensors[:layers]), list(tensors[layers:])
-        value, grads = _C.router_l2([w.detach() for w in weights], [b.detach() for b in base], float(coefficient))
-        ctx.grads = grads
-        ctx.layers = layers
-        return torch.as_tensor(value, dtype=torch.float32, device=weights[0].device)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_value):
-        grads = [g * grad_value for g in ctx.grads]
-        return (None, None, *grads, *([None] * ctx.layers))
+    z = _as_logits(logits)
+    gates, indices, per_token, counts = ops.expert_choice(z, int(top_k), float(capacity_factor), int(min_capacity),
+                                                          group_ids, int(num_groups), capacity, _threads(threads))
+    meta = dispatch(indices, z.shape[1], align=dispatch_align, num_ranks=num_ranks, expert_rank=expert_rank)
+    return ExpertChoiceResult(indices, gates, per_token, meta, counts)
 
 
 def router_l2(weights: Union[Tensor, Sequence[Tensor]], base: Union[Tensor, Sequence[Tensor]],
@@ -234,10 +180,11 @@ def router_l2(weights: Union[Tensor, Sequence[Tensor]], base: Union[Tensor, Sequ
     base = [base] if isinstance(base, torch.Tensor) else list(base)
     if len(weights) != len(base):
         raise ValueError(f"moe_route: router_l2 got {len(weights)} weight and {len(base)} base tensors")
-    return _RouterL2Function.apply(coefficient, len(weights), *weights, *base)
+    value, _ = ops.router_l2(weights, [b.detach() for b in base], float(coefficient))
+    return value.to(torch.float32)
 
 
 @torch.no_grad()
 def update_expert_bias(expert_bias: Tensor, loads: Tensor, rate: float) -> None:
     """Aux-loss-free step, in place: b_e += rate * sign(mean load - load_e)."""
-    _C.expert_bias_update(expert_bias, loads, float(rate))
+    ops.expert_bias_update(expert_bias, loads, float(rate))

@@ -8,7 +8,7 @@ from typing import List
 
 import torch
 
-from . import _C
+from ._ops import ops
 from .functional import _as_logits
 
 
@@ -22,12 +22,14 @@ class PreparedPrior:
 
 def prepare(pi: torch.Tensor, *, epsilon: float = 0.05, cap: float = 5.0) -> PreparedPrior:
     """Clamp each row of pi [S, E] to [epsilon/E, cap/E], renormalise, take the centred log."""
-    bias, probs, report = _C.prior_prepare(pi, float(epsilon), float(cap))
-    return PreparedPrior(bias, probs, report["upper_clamped"], report["lower_clamped"])
+    bias, probs, report = ops.prior_prepare(pi, float(epsilon), float(cap))
+    upper, lower = report.tolist()
+    return PreparedPrior(bias, probs, upper, lower)
 
 
 def build(logits: torch.Tensor, rows: torch.Tensor, num_rows: int, gating: str = "softmax"):
     """pi[r] = mean of the base router's routing distribution over the tokens with
-    rows[t] == r (rows[t] = -1: left out). Returns (pi [S, E], empty rows)."""
-    pi, empty = _C.prior_build(_as_logits(logits), rows, int(num_rows), gating)
-    return pi, list(empty)
+    rows[t] == r (rows[t] = -1: left out). Returns (pi [S, E], empty rows); the
+    empty rows are read back from the device."""
+    pi, row_tokens = ops.prior_build(_as_logits(logits).detach(), rows, int(num_rows), gating)
+    return pi, torch.nonzero(row_tokens == 0).flatten().tolist()

@@ -437,12 +437,13 @@ def admitted_gates(z: torch.Tensor, routed: torch.Tensor, admitted: torch.Tensor
 
 def dispatch(indices: torch.Tensor, num_experts: int, align: int = 1, num_ranks: int = 1,
              expert_rank: Optional[torch.Tensor] = None):
-    """(counts, offsets, permutation[:rows], inverse, rank_counts), int64."""
+    """(counts, offsets, permutation, inverse, rank_counts), int64; the permutation
+    has the bound's N*S + E*(align - 1) rows, -1 past the rows used."""
     flat = indices.long().reshape(-1)
     counts = torch.tensor([int((flat == x).sum()) for x in range(num_experts)], dtype=torch.long)
     padded = (counts + align - 1) // align * align
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(padded, 0)])
-    permutation = torch.full((int(offsets[-1]),), -1, dtype=torch.long)
+    permutation = torch.full((flat.numel() + num_experts * (align - 1),), -1, dtype=torch.long)
     inverse = torch.full((flat.numel(),), -1, dtype=torch.long)
     for x in range(num_experts):
         slots = torch.nonzero(flat == x).reshape(-1)  # ascending slot id = (token, slot) order

@@ -62,7 +62,9 @@ def test_worked_example_strict():
     assert res.tokens_per_expert.tolist() == [3, 3, 2, 1]
     d = mr.dispatch(res.indices, 4, align=4, num_ranks=2)
     assert d.offsets.tolist() == [0, 4, 8, 12, 16]
-    assert d.permutation.tolist() == [0, 6, 10, -1, 1, 5, 8, -1, 3, 7, -1, -1, 11, -1, -1, -1]
+    # 16 rows used of the bound N*K + E*(align - 1) = 24
+    assert d.permutation.tolist() == [0, 6, 10, -1, 1, 5, 8, -1, 3, 7, -1, -1, 11, -1, -1, -1] + [-1] * 8
+    assert int(d.rows) == 16
     assert d.inverse.tolist() == [0, 4, -1, 8, -1, 5, 1, 9, 6, -1, 2, 12]
     assert d.rank_counts.tolist() == [6, 3]
 
@@ -342,7 +344,8 @@ def test_dispatch_matches_reference(align, gen):
         for a, b in zip((got.tokens_per_expert, got.offsets, got.permutation, got.inverse, got.rank_counts), want):
             assert a.dtype == torch.int64 and torch.equal(a, b)
     empty = mr.dispatch(torch.zeros(0, 2, dtype=torch.int32), 4, align=8)
-    assert empty.offsets.tolist() == [0] * 5 and empty.permutation.numel() == 0
+    assert empty.offsets.tolist() == [0] * 5 and int(empty.rows) == 0
+    assert empty.permutation.numel() == 4 * 7 and bool((empty.permutation == -1).all())  # the bound, unused
     with pytest.raises(ValueError, match=r"indices\[1\]"):
         mr.dispatch(torch.tensor([[0, 12]]), e)
     with pytest.raises(ValueError, match="num_ranks"):

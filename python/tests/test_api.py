@@ -140,8 +140,9 @@ def test_logits_errors():
             mr.route(torch.randn(*shape), cfg)
     with pytest.raises(ValueError, match="logits must have at least one expert"):
         mr.route(torch.randn(4, 0), cfg)
-    with pytest.raises(ValueError, match="logits is on meta"):  # neither CPU nor CUDA: rejected by every build
-        mr.route(torch.empty(4, 8, device="meta"), cfg)
+    # meta tensors take the operators' fake implementations: shapes, no values
+    meta = mr.route(torch.empty(4, 8, device="meta"), cfg)
+    assert meta.indices.shape == (4, 2) and meta.indices.device.type == "meta"
 
 
 def test_config_errors():

@@ -270,3 +270,24 @@ TEST_CASE("runtime configuration errors name the field or the missing input") {
   a.capacity_factor = 0.0;
   CHECK_THROWS_WITH_AS(rt::validate(a), doctest::Contains("admission_config.capacity_factor"), mr::error);
 }
+
+TEST_CASE("workspace_shape_of gives workspace_bytes as its affine form in N") {
+  rt::router_config c;
+  const int E = 37;
+  // A runtime router carries every penalty (coefficient 0: off), so its workspace always holds one double
+  // per token for each of z-loss, KL and logit-L2.
+  CHECK(rt::workspace_shape_of(c, E).per_value == 3 * sizeof(double));
+  c.load_balance.coefficient = 1e-2f;
+  c.z_loss.coefficient = 1e-3f;
+  c.kl_to_base.coefficient = 1e-1f;
+  c.prior = rt::prior_kind::log_prior_bias;
+  for (const std::int32_t sequences : {0, 1, 7}) {
+    c.load_balance.over = sequences ? mr::penalty::load_balance::scope::sequence : mr::penalty::load_balance::scope::batch;
+    const rt::workspace_shape w = rt::workspace_shape_of(c, E, sequences);
+    CHECK(w.per_value == 3 * sizeof(double));
+    for (const std::int64_t n : {0, 1, 2, 1023, 1024, 1025, 4096, 100003}) {
+      const std::int64_t chunks = (n + w.chunk - 1) / w.chunk;
+      CHECK(rt::workspace_bytes(c, n, E, sequences) == w.fixed + w.per_value * static_cast<std::size_t>(n + chunks));
+    }
+  }
+}

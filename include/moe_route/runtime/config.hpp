@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include <moe_route/admission/admission.hpp>
@@ -277,6 +278,27 @@ inline std::size_t workspace_bytes(const router_config& c, std::int64_t num_toke
                                    std::int32_t num_sequences = 0) {
   return visit_router(c, [&](const auto& r) {
     return penalty::training_workspace_bytes(r, num_tokens, num_experts, std::max(num_sequences, 1));
+  });
+}
+
+// workspace_bytes(c, N, E, S) as an affine form in N, for callers that know N
+// only symbolically (PyTorch's fake tensors size the workspace output from
+// it): fixed + per_value * (N + ceil(N / chunk)), chunk = penalty::value_chunk.
+struct workspace_shape {
+  std::size_t fixed = 0;      // bytes that do not depend on N
+  std::size_t per_value = 0;  // bytes per token and per chunk of tokens
+  std::int64_t chunk = penalty::value_chunk;
+};
+
+inline workspace_shape workspace_shape_of(const router_config& c, int num_experts, std::int32_t num_sequences = 0) {
+  return visit_router(c, [&](const auto& r) {
+    using router_type = std::decay_t<decltype(r)>;
+    workspace_shape w;
+    if constexpr (router_type::has_penalties) {
+      w.fixed = penalty::training_layout<router_type>(0, num_experts, std::max(num_sequences, 1)).bytes;
+      w.per_value = sizeof(double) * penalty::penalty_traits<router_type>::scalar_penalties;
+    }
+    return w;
   });
 }
 

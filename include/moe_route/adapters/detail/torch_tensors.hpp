@@ -1,0 +1,150 @@
+// moe_route: argument checks and device memory for the LibTorch adapter
+// (adapters/torch.hpp). Checks raise c10::TypeError (dtype) or
+// c10::ValueError (device, shape, value), which PyTorch's Python bindings turn
+// into TypeError and ValueError; each names the argument.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <moe_route/types.hpp>
+
+namespace moe_route::adapters::detail {
+
+[[noreturn]] inline void value_error(const std::string& m) { TORCH_CHECK_VALUE(false, "moe_route: ", m); }
+[[noreturn]] inline void type_error(const std::string& m) { TORCH_CHECK_TYPE(false, "moe_route: ", m); }
+
+// f(), with the library's own argument errors (moe_route::error) raised as c10::ValueError.
+template <class F>
+decltype(auto) translating_errors(F&& f) {
+  try {
+    return f();
+  } catch (const moe_route::error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+inline std::string shape_of(const at::Tensor& t) {
+  std::string s = "[";
+  for (std::int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
+// torch's Python name of a dtype, for messages.
+inline std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    default: return c10::toString(t);
+  }
+}
+
+// Where a call runs: the device of its first tensor argument (`of`). CUDA
+// tensors are accepted when the adapter is compiled with
+// MOE_ROUTE_TORCH_WITH_CUDA (and linked with moe_route::cuda_runtime).
+struct placement {
+  c10::Device device;
+  std::string of;
+
+  bool cuda() const { return device.is_cuda(); }
+  at::TensorOptions options(at::ScalarType dtype) const { return at::TensorOptions().dtype(dtype).device(device); }
+};
+
+inline placement placement_of(const at::Tensor& t, const std::string& name) {
+  if (!t.defined()) value_error(name + " is undefined");
+  const c10::Device d = t.device();
+#ifdef MOE_ROUTE_TORCH_WITH_CUDA
+  if (!d.is_cpu() && !d.is_cuda()) value_error(name + " is on " + d.str() + "; moe_route runs on CPU and CUDA tensors");
+#else
+  if (!d.is_cpu())
+    value_error(name + " is on " + d.str() +
+                ", but this moe_route was built for the CPU only (build it against a CUDA PyTorch for GPU tensors)");
+#endif
+  return {d, name};
+}
+
+// `t` as a contiguous tensor of `dtype` and `shape` (-1: any extent) on the
+// call's device; a copy only if it was not contiguous. Integer index tensors
+// may be int64: they are range-checked and narrowed to int32.
+inline at::Tensor checked(const at::Tensor& t, const std::string& name, at::ScalarType dtype,
+                          const std::vector<std::int64_t>& shape, const placement& where) {
+  if (!t.defined()) value_error(name + " is undefined");
+  if (t.device() != where.device)
+    value_error(name + " is on " + t.device().str() + ", but " + where.of + " is on " + where.device.str());
+  at::Tensor u = t;
+  if (dtype == at::kInt && t.scalar_type() == at::kLong) {
+    if (t.numel() > 0 && (t.min().item<std::int64_t>() < INT32_MIN || t.max().item<std::int64_t>() > INT32_MAX))
+      value_error(name + " has values outside the int32 range");
+    u = t.to(at::kInt);
+  } else if (t.scalar_type() != dtype) {
+    type_error(name + " must be " + dtype_name(dtype) + (dtype == at::kInt ? " or torch.int64" : "") + ", got " +
+               dtype_name(t.scalar_type()));
+  }
+  bool ok = u.dim() == static_cast<std::int64_t>(shape.size());
+  for (std::size_t d = 0; ok && d < shape.size(); ++d) ok = shape[d] < 0 || u.size(d) == shape[d];
+  if (!ok) {
+    std::string want = "[";
+    for (std::size_t d = 0; d < shape.size(); ++d)
+      want += (d ? ", " : "") + (shape[d] < 0 ? std::string("*") : std::to_string(shape[d]));
+    value_error(name + " must have shape " + want + "], got " + shape_of(u));
+  }
+  return u.contiguous();
+}
+
+inline std::optional<at::Tensor> checked(const std::optional<at::Tensor>& t, const std::string& name,
+                                         at::ScalarType dtype, const std::vector<std::int64_t>& shape,
+                                         const placement& where) {
+  if (!t || !t->defined()) return std::nullopt;
+  return checked(*t, name, dtype, shape, where);
+}
+
+// Logits [N, E] float32 with E >= 1.
+inline at::Tensor logits_of(const at::Tensor& logits, const placement& where) {
+  at::Tensor z = checked(logits, "logits", at::kFloat, {-1, -1}, where);
+  if (z.size(1) < 1) value_error("logits must have at least one expert column, got shape " + shape_of(z));
+  return z;
+}
+
+template <class T>
+const T* data_of(const std::optional<at::Tensor>& t) {
+  return t ? t->data_ptr<T>() : nullptr;
+}
+
+// Bytes from torch's allocator on the call's device (the caching allocator on CUDA).
+inline at::Tensor bytes_on(std::size_t bytes, const placement& where) {
+  return at::empty({static_cast<std::int64_t>(bytes)}, where.options(at::kByte));
+}
+
+// A report struct of int64 counters as an int64 tensor (zeros), and back.
+template <class Report>
+at::Tensor report_tensor(const placement& where) {
+  static_assert(sizeof(Report) % sizeof(std::int64_t) == 0, "reports are int64 counters");
+  return at::zeros({static_cast<std::int64_t>(sizeof(Report) / sizeof(std::int64_t))}, where.options(at::kLong));
+}
+
+template <class Report>
+Report* report_data(const at::Tensor& t) {
+  return reinterpret_cast<Report*>(t.data_ptr<std::int64_t>());
+}
+
+// torch's current stream on the call's device, as a cudaStream_t (the device
+// is made current by the caller's DeviceGuard).
+inline void* current_stream(const placement& where) {
+  const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(where.device.type());
+  return impl->getStreamNativeHandle(impl->getStream(where.device));
+}
+
+}  // namespace moe_route::adapters::detail

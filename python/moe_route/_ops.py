@@ -1,0 +1,176 @@
+"""The fake (meta) implementations and autograd formulas of the operators that
+moe_route._C registers (torch.ops.moe_route.*; schemas in python/src/bindings.cpp).
+
+The fakes give every output its exact shape and dtype from the input shapes and
+the configuration alone, so torch.compile, torch.export and FakeTensorMode
+trace the operators without running them; N may be symbolic. Autograd is
+registered with torch.library for route, expert_choice and router_l2; the
+other operators have no differentiable outputs."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C
+
+ops = torch.ops.moe_route
+
+NUM_PENALTIES = len(_C.penalty_names)
+# The counters of admission_report and expert_choice_report (include/moe_route), in order.
+ADMISSION_REPORT = ("offered", "kept", "rerouted", "dropped", "below_threshold", "over_capacity",
+                    "tokens_without_experts", "invalid")
+EXPERT_CHOICE_REPORT = ("assignments", "tokens_without_experts", "max_experts_per_token", "invalid")
+
+
+def _empty(shape, dtype, like):
+    return like.new_empty(shape, dtype=dtype)
+
+
+@torch.library.register_fake("moe_route::route")
+def _route_fake(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids, num_sequences,
+                load_fractions, expert_rank, rank, training, admission, hidden_norms, weight_norms, group_ids,
+                num_groups, capacity, threads):
+    n, e = logits.shape
+    top_k, fixed, per_value, chunk = _C.route_shape(config, int(e), int(num_sequences))
+    workspace = fixed + per_value * (n + (n + chunk - 1) // chunk)
+    pair = lambda dtype: _empty((n, top_k), dtype, logits)  # noqa: E731
+    return (pair(torch.float32), _empty((NUM_PENALTIES,), torch.float32, logits), pair(torch.int32),
+            pair(torch.int32), pair(torch.float32), pair(torch.int8), _empty((workspace,), torch.uint8, logits),
+            _empty((), torch.int64, logits), _empty((len(ADMISSION_REPORT),), torch.int64, logits))
+
+
+@torch.library.register_fake("moe_route::route_backward")
+def _route_backward_fake(grad_gates, grad_penalties, logits, *rest):
+    return torch.empty_like(logits, dtype=torch.float32)
+
+
+@torch.library.register_fake("moe_route::admit")
+def _admit_fake(logits, config, admission, routed_indices, routed_gates, *rest):
+    n, k = routed_indices.shape
+    return (_empty((n, k), torch.int32, logits), _empty((n, k), torch.float32, logits),
+            _empty((n, k), torch.int8, logits), _empty((len(ADMISSION_REPORT),), torch.int64, logits))
+
+
+def dispatch_rows_bound(num_tokens, slots_per_token, num_experts, align):
+    """Rows of the expert-major buffer for any routing of these shapes (admission/dispatch.hpp)."""
+    return num_tokens * slots_per_token + num_experts * (align - 1)
+
+
+@torch.library.register_fake("moe_route::dispatch")
+def _dispatch_fake(indices, num_experts, align, num_ranks, expert_rank):
+    n, s = indices.shape
+    i64 = lambda *shape: _empty(shape, torch.int64, indices)  # noqa: E731
+    return (i64(num_experts), i64(num_experts + 1), i64(dispatch_rows_bound(n, s, num_experts, align)), i64(n * s),
+            i64(num_ranks))
+
+
+@torch.library.register_fake("moe_route::expert_choice")
+def _expert_choice_fake(logits, top_k, capacity_factor, min_capacity, group_ids, num_groups, capacity, threads):
+    n, e = logits.shape
+    return (_empty((n, e), torch.float32, logits), _empty((n, e), torch.int32, logits),
+            _empty((n,), torch.int32, logits), _empty((len(EXPERT_CHOICE_REPORT),), torch.int64, logits))
+
+
+@torch.library.register_fake("moe_route::expert_choice_backward")
+def _expert_choice_backward_fake(grad_gates, logits, indices, threads):
+    return torch.empty_like(logits, dtype=torch.float32)
+
+
+@torch.library.register_fake("moe_route::router_l2")
+def _router_l2_fake(weights, base, coefficient):
+    return weights[0].new_empty((), dtype=torch.float64), [torch.empty_like(w) for w in weights]
+
+
+@torch.library.register_fake("moe_route::prior_build")
+def _prior_build_fake(logits, rows, num_rows, gating):
+    return _empty((num_rows, logits.shape[1]), torch.float32, logits), _empty((num_rows,), torch.int64, logits)
+
+
+@torch.library.register_fake("moe_route::prior_prepare")
+def _prior_prepare_fake(pi, epsilon, cap):
+    return torch.empty_like(pi), torch.empty_like(pi), _empty((2,), torch.int64, pi)
+
+
+@torch.library.register_fake("moe_route::expert_bias_update")
+def _expert_bias_update_fake(expert_bias, loads, rate):
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Autograd. The backward operators are not differentiable themselves: a double
+# backward through them raises.
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("moe_route: the router's backward is not differentiable (no double backward)")
+
+
+def _no_context(ctx, inputs, output):
+    pass
+
+
+for _backward_op in ("moe_route::route_backward", "moe_route::expert_choice_backward"):
+    torch.library.register_autograd(_backward_op, _no_double_backward, setup_context=_no_context)
+
+_ROUTE_INPUTS = ("logits", "config", "expert_bias", "prior_bias", "prior_probs", "token_prior_row", "sequence_ids",
+                 "num_sequences", "load_fractions", "expert_rank", "rank", "training", "admission", "hidden_norms",
+                 "weight_norms", "group_ids", "num_groups", "capacity", "threads")
+
+
+def _route_setup_context(ctx, inputs, output):
+    a = dict(zip(_ROUTE_INPUTS, inputs))
+    _, _, indices, routed_indices, _, _, workspace, _, _ = output
+    admitting, ctx.renormalize = _C.admission_flags(a["admission"])
+    ctx.save_for_backward(a["logits"], a["expert_bias"], a["prior_bias"], a["prior_probs"], a["token_prior_row"],
+                          a["sequence_ids"], a["load_fractions"], a["expert_rank"], routed_indices, workspace,
+                          indices if admitting else None)
+    ctx.config, ctx.num_sequences, ctx.rank = a["config"], a["num_sequences"], a["rank"]
+    ctx.training, ctx.threads = a["training"], a["threads"]
+
+
+def _route_backward(ctx, grad_gates, grad_values, *grads):
+    (logits, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids, load_fractions, expert_rank,
+     routed_indices, workspace, admitted) = ctx.saved_tensors
+    if grad_gates is None:
+        grad_gates = logits.new_zeros(routed_indices.shape)
+    if grad_values is None:
+        grad_values = logits.new_zeros((NUM_PENALTIES,))
+    grad = ops.route_backward(grad_gates.contiguous(), grad_values.contiguous(), logits, ctx.config, expert_bias,
+                              prior_bias, prior_probs, token_prior_row, sequence_ids, ctx.num_sequences,
+                              load_fractions, expert_rank, ctx.rank, ctx.training, routed_indices, workspace, admitted,
+                              ctx.renormalize, ctx.threads)
+    return (grad,) + (None,) * (len(_ROUTE_INPUTS) - 1)
+
+
+torch.library.register_autograd("moe_route::route", _route_backward, setup_context=_route_setup_context)
+
+
+def _expert_choice_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+    ctx.threads = inputs[-1]
+
+
+def _expert_choice_backward(ctx, grad_gates, *grads):
+    logits, indices = ctx.saved_tensors
+    if grad_gates is None:
+        grad_gates = logits.new_zeros(logits.shape)
+    grad = ops.expert_choice_backward(grad_gates.contiguous(), logits, indices, ctx.threads)
+    return (grad,) + (None,) * 7
+
+
+torch.library.register_autograd("moe_route::expert_choice", _expert_choice_backward,
+                                setup_context=_expert_choice_setup_context)
+
+
+def _router_l2_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*output[1])
+
+
+def _router_l2_backward(ctx, grad_value, grad_grads):
+    if grad_value is None:
+        return None, [None] * len(ctx.saved_tensors), None
+    scale = grad_value.to(torch.float32)
+    return [g * scale for g in ctx.saved_tensors], [None] * len(ctx.saved_tensors), None
+
+
+torch.library.register_autograd("moe_route::router_l2", _router_l2_backward, setup_context=_router_l2_setup_context)
