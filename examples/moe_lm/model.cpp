@@ -9,16 +9,14 @@
 
 #include <nlohmann/json.hpp>
 
-#include <moe_route/backend/cpu/dispatch.hpp>
-#include <moe_route/backend/cpu/expert_choice.hpp>
-
 #include "data.hpp"
+// First: the runtime routers come compiled from moe_route::runtime.
 #include <moe_route/runtime/instantiate.hpp>
+
+#include <moe_route/adapters/torch.hpp>
 #ifdef MOE_LM_WITH_CUDA
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
-
-#include <moe_route/runtime/cuda.hpp>
 #endif
 
 namespace moe_lm {
@@ -117,29 +115,6 @@ rt::router_config preset_router(const model_config& c) {
 
 namespace {
 
-// The library's calls on the logits' device. CPU tensors take the CPU
-// backend; CUDA tensors take runtime::cuda (runtime/cuda.hpp) on torch's
-// current stream, with every buffer from torch's allocator. Every tensor a
-// call reads or writes lives on that device.
-bool on_cuda(const torch::Tensor& t) {
-  if (!t.is_cuda()) return false;
-#ifndef MOE_LM_WITH_CUDA
-  throw std::invalid_argument(
-      "moe_lm: a CUDA tensor reached the router, but this build has no CUDA backend (build against a CUDA "
-      "LibTorch with -DMOE_ROUTE_BUILD_CUDA_RUNTIME=ON)");
-#else
-  return true;
-#endif
-}
-
-#ifdef MOE_LM_WITH_CUDA
-rt::cuda::stream_t current_stream(const torch::Device& d) { return static_cast<rt::cuda::stream_t>(current_cuda_stream(d)); }
-
-torch::Tensor device_bytes(std::size_t bytes, const torch::Device& d) {
-  return torch::empty({static_cast<std::int64_t>(bytes)}, torch::TensorOptions().dtype(torch::kUInt8).device(d));
-}
-#endif
-
 // Waits for the work queued on t's device (wall-clock timing of device work).
 void synchronize(const torch::Tensor& t) {
 #ifdef MOE_LM_WITH_CUDA
@@ -168,20 +143,16 @@ torch::Tensor on_device(const std::vector<std::int32_t>& v, const torch::Device&
 // otherwise the whole batch is one segment.
 struct route_segment {
   std::int64_t begin = 0, end = 0;
-  moe_route::route_inputs<float> in;       // points into the route_state and this segment
-  std::vector<std::int32_t> sequence_ids;  // renumbered from 0 within the segment
-  torch::Tensor sequence_ids_on_device;    // of sequence_ids
-  torch::Tensor workspace;                 // uint8: filled by the forward, read by the backward
+  moe_route::adapters::route_tensors inputs;  // the segment's rows of the batch's inputs
+  torch::Tensor workspace;                    // uint8: filled by the forward, read by the backward
 };
 
-// Everything the backward needs besides the logits: the forward's inputs (the
-// route_inputs point into this object), its selections and the workspaces the
-// forward filled. It rides in the autograd context as a capsule.
+// Everything the backward needs besides the logits: the forward's inputs, its
+// selections and the workspaces the forward filled. It rides in the autograd
+// context as a capsule.
 struct route_state : torch::CustomClassHolder {
   route_call call;
   torch::Tensor logits;  // fp32, contiguous, detached
-  torch::Tensor expert_bias, prior_bias, prior_probs, prior_rows, expert_rank, group_ids;  // on the logits' device
-  std::vector<std::int32_t> expert_rank_host;  // locality: expert j lives on rank j * R / E
   std::vector<route_segment> segments;
   torch::Tensor hidden_norms, weight_norms;  // cosine admission only (no gradient flows to them)
   torch::Tensor routed, executed;  // int32 [N x K]
@@ -197,7 +168,7 @@ bool per_rank(const route_call& call) {
 std::vector<route_segment> segments_of(const route_call& call, std::int64_t n) {
   std::vector<route_segment> segs;
   if (!per_rank(call)) {
-    segs.push_back({0, n, {}, {}, {}, {}});
+    segs.push_back({0, n, {}, {}});
     return segs;
   }
   if (call.group_ids.empty())
@@ -209,137 +180,92 @@ std::vector<route_segment> segments_of(const route_call& call, std::int64_t n) {
       for (const auto& s : segs)
         if (call.group_ids[static_cast<std::size_t>(s.begin)] == g)
           throw std::invalid_argument("route: under the locality penalty each group's tokens must be contiguous");
-      segs.push_back({t, t, {}, {}, {}, {}});
+      segs.push_back({t, t, {}, {}});
     }
     segs.back().end = t + 1;
   }
   return segs;
 }
 
+// The batch's rows [begin, end) of an optional per-token tensor.
+std::optional<torch::Tensor> rows_of(const std::optional<torch::Tensor>& t, std::int64_t begin, std::int64_t end) {
+  if (!t) return std::nullopt;
+  return t->slice(0, begin, end);
+}
+
 class route_function : public torch::autograd::Function<route_function> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor logits,
                                                 c10::intrusive_ptr<route_state> st) {
+    namespace ad = moe_route::adapters;
     const std::int64_t n = logits.size(0);
     const int e = static_cast<int>(logits.size(1));
-    const int k = st->call.router.top_k;
     st->logits = logits.detach().to(torch::kFloat32).contiguous();
     const torch::Device device = st->logits.device();
-    const bool cuda = on_cuda(st->logits);
-    const auto options = [&](torch::ScalarType dtype) { return torch::TensorOptions().dtype(dtype).device(device); };
-    moe_route::route_inputs<float> in;
-    in.logits = st->logits.data_ptr<float>();
-    in.num_tokens = n;
-    in.num_experts = e;
-    in.mode = st->call.mode;
+    ad::route_tensors batch;
+    batch.logits = st->logits;
+    batch.training = st->call.mode == moe_route::mode::train;
     if (rt::selection_uses_bias(st->call.router.selection)) {
       if (!st->call.expert_bias.defined())
         throw std::invalid_argument("route: the router's selection needs an expert bias");
       // A copy: the bias may be updated before the backward runs.
-      st->expert_bias = st->call.expert_bias.detach().to(device, torch::kFloat32).clone();
-      in.expert_bias = st->expert_bias.data_ptr<float>();
+      batch.expert_bias = st->call.expert_bias.detach().to(device, torch::kFloat32).clone();
     }
     if (st->call.prior) {
       const auto& p = *st->call.prior;
-      st->prior_bias = on_device(p.bias, {p.rows, e}, torch::kFloat32, device);
-      st->prior_probs = on_device(p.probs, {p.rows, e}, torch::kFloat32, device);
-      in.prior_bias = st->prior_bias.data_ptr<float>();
-      in.prior_probs = st->prior_probs.data_ptr<float>();
-      in.prior_rows = p.rows;
+      batch.prior_bias = on_device(p.bias, {p.rows, e}, torch::kFloat32, device);
+      batch.prior_probs = on_device(p.probs, {p.rows, e}, torch::kFloat32, device);
     }
-    if (!st->call.prior_rows.empty()) {
-      st->prior_rows = on_device(st->call.prior_rows, device);
-      in.token_prior_row = st->prior_rows.data_ptr<std::int32_t>();
-    }
-
-    st->routed = torch::empty({n, k}, options(torch::kInt32));
-    auto gates = torch::empty({n, k}, options(torch::kFloat32));
-    auto values = torch::zeros({rt::num_penalties}, options(torch::kFloat64));
+    if (!st->call.prior_rows.empty()) batch.token_prior_row = on_device(st->call.prior_rows, device);
     st->segments = segments_of(st->call, n);
-    if (per_rank(st->call)) {
-      st->expert_rank_host.resize(static_cast<std::size_t>(e));
+    if (per_rank(st->call)) {  // expert j lives on rank j * R / E
+      std::vector<std::int32_t> ranks(static_cast<std::size_t>(e));
       for (int j = 0; j < e; ++j)
-        st->expert_rank_host[static_cast<std::size_t>(j)] =
-            static_cast<std::int32_t>(static_cast<std::int64_t>(j) * st->call.num_groups / e);
-      st->expert_rank = on_device(st->expert_rank_host, device);
+        ranks[static_cast<std::size_t>(j)] = static_cast<std::int32_t>(static_cast<std::int64_t>(j) * st->call.num_groups / e);
+      batch.expert_rank = on_device(ranks, device).clone();  // owns its memory: ranks is a local
     }
-    const moe_route::cpu::execution ex{st->call.threads};
+    std::vector<torch::Tensor> routed, gates;
+    auto values = torch::zeros({rt::num_penalties}, torch::TensorOptions().dtype(torch::kFloat64).device(device));
     for (auto& seg : st->segments) {
-      seg.in = in;
-      seg.in.logits += seg.begin * e;
-      seg.in.num_tokens = seg.end - seg.begin;
-      if (in.token_prior_row != nullptr) seg.in.token_prior_row += seg.begin;
+      seg.inputs = batch;
+      seg.inputs.logits = st->logits.slice(0, seg.begin, seg.end);
+      seg.inputs.token_prior_row = rows_of(batch.token_prior_row, seg.begin, seg.end);
       if (!st->call.sequence_ids.empty() && seg.end > seg.begin) {
         const std::int32_t first = st->call.sequence_ids[static_cast<std::size_t>(seg.begin)];
+        std::vector<std::int32_t> ids;  // renumbered from 0 within the segment
         for (std::int64_t t = seg.begin; t < seg.end; ++t)
-          seg.sequence_ids.push_back(st->call.sequence_ids[static_cast<std::size_t>(t)] - first);
-        seg.sequence_ids_on_device = on_device(seg.sequence_ids, device);
-        seg.in.sequence_ids = seg.sequence_ids_on_device.data_ptr<std::int32_t>();
-        seg.in.num_sequences = seg.sequence_ids.back() + 1;
+          ids.push_back(st->call.sequence_ids[static_cast<std::size_t>(t)] - first);
+        seg.inputs.num_sequences = ids.back() + 1;
+        seg.inputs.sequence_ids = on_device(ids, device).clone();  // owns its memory: ids is a local
       }
-      if (per_rank(st->call)) {
-        seg.in.expert_rank = st->expert_rank.data_ptr<std::int32_t>();
-        seg.in.rank = st->call.group_ids[static_cast<std::size_t>(seg.begin)];
-      }
-      auto seg_values = torch::zeros({rt::num_penalties}, options(torch::kFloat64));
-      seg.workspace = torch::empty({static_cast<std::int64_t>(rt::workspace_bytes(
-                                       st->call.router, seg.in.num_tokens, e, std::max(seg.in.num_sequences, 1)))},
-                                   options(torch::kUInt8));
-      moe_route::route_outputs out;
-      out.indices = st->routed.data_ptr<std::int32_t>() + seg.begin * k;
-      out.gates = gates.data_ptr<float>() + seg.begin * k;
-      out.penalty_values = seg_values.data_ptr<double>();
-      out.workspace = seg.workspace.data_ptr();
-      out.workspace_bytes = static_cast<std::size_t>(seg.workspace.numel());
-      if (cuda) {
-#ifdef MOE_LM_WITH_CUDA
-        const std::size_t scratch_bytes = rt::cuda::neutral_bytes(st->call.router, seg.in);
-        const auto scratch = device_bytes(scratch_bytes, device);
-        rt::cuda::route(st->call.router, seg.in, out, scratch.data_ptr(), scratch_bytes, current_stream(device));
-#endif
-      } else {
-        rt::route(st->call.router, seg.in, out, ex);
-      }
+      if (per_rank(st->call)) seg.inputs.rank = st->call.group_ids[static_cast<std::size_t>(seg.begin)];
+      const ad::route_result r = ad::route(st->call.router, rt::admission_config{}, seg.inputs, {}, st->call.threads);
+      routed.push_back(r.routed_indices);
+      gates.push_back(r.routed_gates);
+      seg.workspace = r.workspace;
       // The penalties of a per-rank call average over the ranks, as data-parallel gradient averaging does.
-      values += seg_values / static_cast<double>(st->segments.size());
+      values += r.penalty_values / static_cast<double>(st->segments.size());
     }
+    st->routed = torch::cat(routed);
+    torch::Tensor routed_gates = torch::cat(gates);
 
     if (st->call.admit) {
-      st->executed = torch::empty({n, k}, options(torch::kInt32));
-      auto admitted_gates = torch::empty({n, k}, options(torch::kFloat32));
-      moe_route::admission_inputs<float> ain;
-      ain.logits = in.logits;
-      ain.num_tokens = n;
-      ain.num_experts = e;
-      ain.routed_indices = st->routed.data_ptr<std::int32_t>();
-      ain.routed_gates = gates.data_ptr<float>();
-      if (st->hidden_norms.defined()) ain.hidden_norms = st->hidden_norms.data_ptr<float>();
-      if (st->weight_norms.defined()) ain.weight_norms = st->weight_norms.data_ptr<float>();
+      ad::admission_tensors a;
+      if (st->hidden_norms.defined()) a.hidden_norms = st->hidden_norms;
+      if (st->weight_norms.defined()) a.weight_norms = st->weight_norms;
       if (!st->call.group_ids.empty()) {
-        st->group_ids = on_device(st->call.group_ids, device);
-        ain.group_ids = st->group_ids.data_ptr<std::int32_t>();
-        ain.num_groups = st->call.num_groups;
+        a.group_ids = on_device(st->call.group_ids, device);
+        a.num_groups = st->call.num_groups;
       }
-      moe_route::admission_outputs aout;
-      aout.indices = st->executed.data_ptr<std::int32_t>();
-      aout.gates = admitted_gates.data_ptr<float>();
-      if (cuda) {
-#ifdef MOE_LM_WITH_CUDA
-        const std::size_t bytes =
-            rt::cuda::admit_workspace_bytes(st->call.router, st->call.admission, n, e, ain.num_groups);
-        const auto workspace = device_bytes(bytes, device);
-        rt::cuda::admit(st->call.router, st->call.admission, ain, aout, workspace.data_ptr(), bytes,
-                        current_stream(device));
-#endif
-      } else {
-        rt::admit(st->call.router, st->call.admission, ain, aout, ex);
-      }
-      gates = admitted_gates;
+      const ad::admit_result r =
+          ad::admit(st->call.router, st->call.admission, st->logits, st->routed, routed_gates, a, st->call.threads);
+      st->executed = r.indices;
+      routed_gates = r.gates;
     } else {
       st->executed = st->routed;
     }
     ctx->saved_data["state"] = c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(st));
-    return {gates, values.to(torch::kFloat32)};
+    return {routed_gates, values.to(torch::kFloat32)};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -347,42 +273,24 @@ class route_function : public torch::autograd::Function<route_function> {
     const auto capsule = ctx->saved_data["state"].toCapsule();
     auto* st = static_cast<route_state*>(capsule.get());
     const std::int64_t n = st->logits.size(0);
-    const int e = static_cast<int>(st->logits.size(1));
     const int k = st->call.router.top_k;
-    const torch::Device device = st->logits.device();
-    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
-    torch::Tensor grad_gates = grads[0].defined() ? grads[0].to(torch::kFloat32).contiguous() : torch::zeros({n, k}, f32);
-    // The library reads the penalties' upstream gradients on the host, on either backend.
-    std::vector<float> penalty_grads(rt::num_penalties, 0.0f);
-    if (grads[1].defined()) {
-      const torch::Tensor g = grads[1].to(torch::kFloat32).cpu().contiguous();
-      for (int i = 0; i < rt::num_penalties; ++i)
-        penalty_grads[static_cast<std::size_t>(i)] = g.data_ptr<float>()[i] / static_cast<float>(st->segments.size());
+    const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(st->logits.device());
+    const torch::Tensor grad_gates =
+        grads[0].defined() ? grads[0].to(torch::kFloat32).contiguous() : torch::zeros({n, k}, f32);
+    // Each segment's penalties carry 1 / segments of the value (the forward's average).
+    const torch::Tensor grad_penalties =
+        grads[1].defined() ? grads[1].to(torch::kFloat32) / static_cast<float>(st->segments.size())
+                           : torch::zeros({rt::num_penalties}, f32);
+    std::vector<torch::Tensor> grad_logits;
+    for (const auto& seg : st->segments) {
+      const std::optional<torch::Tensor> admitted =
+          st->call.admit ? std::optional<torch::Tensor>(st->executed.slice(0, seg.begin, seg.end)) : std::nullopt;
+      grad_logits.push_back(moe_route::adapters::backward(
+          st->call.router, seg.inputs, st->routed.slice(0, seg.begin, seg.end),
+          grad_gates.slice(0, seg.begin, seg.end), grad_penalties, seg.workspace, admitted,
+          st->call.admit && rt::renormalizes(st->call.admission), st->call.threads));
     }
-    auto grad_logits = torch::empty({n, e}, f32);
-    for (auto& seg : st->segments) {
-      moe_route::backward_args args;
-      args.indices = st->routed.data_ptr<std::int32_t>() + seg.begin * k;
-      args.grad_gates = grad_gates.data_ptr<float>() + seg.begin * k;
-      args.grad_logits = grad_logits.data_ptr<float>() + seg.begin * e;
-      if (st->call.admit) {
-        args.admitted_indices = st->executed.data_ptr<std::int32_t>() + seg.begin * k;
-        args.renormalize = rt::renormalizes(st->call.admission);
-      }
-      args.workspace = seg.workspace.data_ptr();
-      args.workspace_bytes = static_cast<std::size_t>(seg.workspace.numel());
-      args.penalty_grads = penalty_grads.data();
-      if (on_cuda(st->logits)) {
-#ifdef MOE_LM_WITH_CUDA
-        const std::size_t scratch_bytes = rt::cuda::neutral_bytes(st->call.router, seg.in);
-        const auto scratch = device_bytes(scratch_bytes, device);
-        rt::cuda::backward(st->call.router, seg.in, args, scratch.data_ptr(), scratch_bytes, current_stream(device));
-#endif
-      } else {
-        rt::backward(st->call.router, seg.in, args, moe_route::cpu::execution{st->call.threads});
-      }
-    }
-    return {grad_logits, torch::Tensor()};
+    return {torch::cat(grad_logits), torch::Tensor()};
   }
 };
 
@@ -424,13 +332,8 @@ struct expert_choice_state : torch::CustomClassHolder {
   int threads = 1;
   std::vector<std::int32_t> group_ids;  // empty: one group
   int num_groups = 1;
-  torch::Tensor logits;     // fp32, contiguous, detached
-  torch::Tensor group_ids_on_device;  // of group_ids (undefined for one group)
-  torch::Tensor indices;    // int32 [N x E]
-  moe_route::expert_choice_inputs<float> inputs() const {
-    return {logits.data_ptr<float>(), logits.size(0), static_cast<int>(logits.size(1)),
-            group_ids.empty() ? nullptr : group_ids_on_device.data_ptr<std::int32_t>(), num_groups};
-  }
+  torch::Tensor logits;   // fp32, contiguous, detached
+  torch::Tensor indices;  // int32 [N x E]
 };
 
 class expert_choice_function : public torch::autograd::Function<expert_choice_function> {
@@ -438,24 +341,13 @@ class expert_choice_function : public torch::autograd::Function<expert_choice_fu
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor logits,
                                                 c10::intrusive_ptr<expert_choice_state> st) {
     st->logits = logits.detach().to(torch::kFloat32).contiguous();
-    const torch::Device device = st->logits.device();
-    if (!st->group_ids.empty()) st->group_ids_on_device = on_device(st->group_ids, device);
-    st->indices = torch::empty(st->logits.sizes(), torch::TensorOptions().dtype(torch::kInt32).device(device));
-    auto gates = torch::empty(st->logits.sizes(), torch::TensorOptions().dtype(torch::kFloat32).device(device));
-    const moe_route::expert_choice_outputs out{st->indices.data_ptr<std::int32_t>(), gates.data_ptr<float>()};
-    if (on_cuda(st->logits)) {
-#ifdef MOE_LM_WITH_CUDA
-      const auto in = st->inputs();
-      const std::size_t bytes =
-          rt::cuda::expert_choice_workspace_bytes(st->policy, in.num_tokens, in.num_experts, in.num_groups);
-      const auto workspace = device_bytes(bytes, device);
-      rt::cuda::expert_choice(st->policy, in, out, workspace.data_ptr(), bytes, current_stream(device));
-#endif
-    } else {
-      moe_route::cpu::expert_choice(st->policy, st->inputs(), out, moe_route::cpu::execution{st->threads});
-    }
+    std::optional<torch::Tensor> groups;
+    if (!st->group_ids.empty()) groups = on_device(st->group_ids, st->logits.device());
+    const auto r = moe_route::adapters::expert_choice(st->policy, st->logits, groups, st->num_groups, std::nullopt,
+                                                      st->threads);
+    st->indices = r.indices;
     ctx->saved_data["state"] = c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(st));
-    return {gates};
+    return {r.gates};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -465,19 +357,8 @@ class expert_choice_function : public torch::autograd::Function<expert_choice_fu
     const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(st->logits.device());
     const torch::Tensor grad_gates =
         grads[0].defined() ? grads[0].to(torch::kFloat32).contiguous() : torch::zeros(st->logits.sizes(), f32);
-    auto grad_logits = torch::empty(st->logits.sizes(), f32);
-    if (on_cuda(st->logits)) {
-#ifdef MOE_LM_WITH_CUDA
-      rt::cuda::expert_choice_backward(st->inputs(), st->indices.data_ptr<std::int32_t>(),
-                                       grad_gates.data_ptr<float>(), grad_logits.data_ptr<float>(),
-                                       current_stream(st->logits.device()));
-#endif
-    } else {
-      moe_route::cpu::expert_choice_backward(st->inputs(), st->indices.data_ptr<std::int32_t>(),
-                                             grad_gates.data_ptr<float>(), grad_logits.data_ptr<float>(),
-                                             moe_route::cpu::execution{st->threads});
-    }
-    return {grad_logits, torch::Tensor()};
+    return {moe_route::adapters::expert_choice_backward(st->logits, st->indices, grad_gates, st->threads),
+            torch::Tensor()};
   }
 };
 
@@ -560,29 +441,11 @@ torch::Tensor moe_ffn::forward(const torch::Tensor& x, const routing_context& ct
 
   // Expert-major rows from the library's dispatch metadata (on the device; the
   // counts and offsets come to the host, which slices the rows per expert).
-  const auto i64 = torch::TensorOptions().dtype(torch::kInt64).device(x.device());
-  auto counts_t = torch::empty({e}, i64), offsets_t = torch::empty({e + 1}, i64);
-  auto permutation = torch::empty({moe_route::dispatch_rows_bound(n, k, static_cast<int>(e), 1)}, i64);
-  auto inverse = torch::empty({n * k}, i64);
-  moe_route::dispatch_inputs din;
-  din.indices = last.executed.data_ptr<std::int32_t>();
-  din.num_tokens = n;
-  din.slots_per_token = k;
-  din.num_experts = static_cast<int>(e);
-  moe_route::dispatch_outputs dout;
-  dout.counts = counts_t.data_ptr<std::int64_t>();
-  dout.offsets = offsets_t.data_ptr<std::int64_t>();
-  dout.permutation = permutation.data_ptr<std::int64_t>();
-  dout.inverse = inverse.data_ptr<std::int64_t>();
-  if (on_cuda(x)) {
-#ifdef MOE_LM_WITH_CUDA
-    const std::size_t bytes = rt::cuda::dispatch_workspace_bytes(n, k, static_cast<int>(e));
-    const auto workspace = device_bytes(bytes, x.device());
-    rt::cuda::dispatch(din, dout, workspace.data_ptr(), bytes, current_stream(x.device()));
-#endif
-  } else {
-    moe_route::cpu::dispatch(din, dout);
-  }
+  const auto meta = moe_route::adapters::dispatch(last.executed, static_cast<int>(e), 1, 1, std::nullopt);
+  const torch::Tensor& counts_t = meta.counts;
+  const torch::Tensor& offsets_t = meta.offsets;
+  const torch::Tensor& permutation = meta.permutation;
+  const torch::Tensor& inverse = meta.inverse;
   const torch::Tensor counts_host = counts_t.cpu(), offsets_host = offsets_t.cpu();
   const std::vector<std::int64_t> counts(counts_host.data_ptr<std::int64_t>(), counts_host.data_ptr<std::int64_t>() + e);
   const std::vector<std::int64_t> offsets(offsets_host.data_ptr<std::int64_t>(),
