@@ -26,10 +26,21 @@ def _empty(shape, dtype, like):
     return like.new_empty(shape, dtype=dtype)
 
 
+def _on_device_of(first, first_name, **tensors):
+    """The kernels' device check, for the fakes: every tensor on the device of the first."""
+    for name, t in tensors.items():
+        if t is not None and t.device != first.device:
+            raise ValueError(f"moe_route: {name} is on {t.device}, but {first_name} is on {first.device}")
+
+
 @torch.library.register_fake("moe_route::route")
 def _route_fake(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids, num_sequences,
                 load_fractions, expert_rank, rank, training, admission, hidden_norms, weight_norms, group_ids,
                 num_groups, capacity, threads):
+    _on_device_of(logits, "logits", expert_bias=expert_bias, prior_bias=prior_bias, prior_probs=prior_probs,
+                  token_prior_row=token_prior_row, sequence_ids=sequence_ids, load_fractions=load_fractions,
+                  expert_rank=expert_rank, hidden_norms=hidden_norms, weight_norms=weight_norms, group_ids=group_ids,
+                  capacity=capacity)
     n, e = logits.shape
     top_k, fixed, per_value, chunk = _C.route_shape(config, int(e), int(num_sequences))
     workspace = fixed + per_value * (n + (n + chunk - 1) // chunk)
@@ -45,7 +56,10 @@ def _route_backward_fake(grad_gates, grad_penalties, logits, *rest):
 
 
 @torch.library.register_fake("moe_route::admit")
-def _admit_fake(logits, config, admission, routed_indices, routed_gates, *rest):
+def _admit_fake(logits, config, admission, routed_indices, routed_gates, hidden_norms, weight_norms, group_ids,
+                num_groups, capacity, threads):
+    _on_device_of(logits, "logits", routed_indices=routed_indices, routed_gates=routed_gates,
+                  hidden_norms=hidden_norms, weight_norms=weight_norms, group_ids=group_ids, capacity=capacity)
     n, k = routed_indices.shape
     return (_empty((n, k), torch.int32, logits), _empty((n, k), torch.float32, logits),
             _empty((n, k), torch.int8, logits), _empty((len(ADMISSION_REPORT),), torch.int64, logits))
@@ -58,6 +72,7 @@ def dispatch_rows_bound(num_tokens, slots_per_token, num_experts, align):
 
 @torch.library.register_fake("moe_route::dispatch")
 def _dispatch_fake(indices, num_experts, align, num_ranks, expert_rank):
+    _on_device_of(indices, "indices", expert_rank=expert_rank)
     n, s = indices.shape
     i64 = lambda *shape: _empty(shape, torch.int64, indices)  # noqa: E731
     return (i64(num_experts), i64(num_experts + 1), i64(dispatch_rows_bound(n, s, num_experts, align)), i64(n * s),
@@ -66,6 +81,7 @@ def _dispatch_fake(indices, num_experts, align, num_ranks, expert_rank):
 
 @torch.library.register_fake("moe_route::expert_choice")
 def _expert_choice_fake(logits, top_k, capacity_factor, min_capacity, group_ids, num_groups, capacity, threads):
+    _on_device_of(logits, "logits", group_ids=group_ids, capacity=capacity)
     n, e = logits.shape
     return (_empty((n, e), torch.float32, logits), _empty((n, e), torch.int32, logits),
             _empty((n,), torch.int32, logits), _empty((len(EXPERT_CHOICE_REPORT),), torch.int64, logits))

@@ -161,3 +161,94 @@ def test_export_moe_block():
     want, want_aux = block(x.detach())
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(aux, want_aux)
+
+
+# ---------------------------------------------------------------------------
+# Bad input: every operator checks before it writes, and names the argument.
+
+def _bad_route(**changes):
+    cfg = changes.pop("cfg", mr.RouterConfig(top_k=K))
+    args = dict(zip(("logits", "config", "expert_bias", "prior_bias", "prior_probs", "token_prior_row", "sequence_ids",
+                     "num_sequences", "load_fractions", "expert_rank", "rank", "training", "admission",
+                     "hidden_norms", "weight_norms", "group_ids", "num_groups", "capacity", "threads"),
+                    _route_args(_logits(), cfg)))
+    args.update(changes)
+    return lambda: ops.route(*args.values())
+
+
+BAD_ROUTE = [
+    (dict(logits=_logits().double()), TypeError, "logits must be torch.float32, got torch.float64"),
+    (dict(logits=torch.randn(N)), ValueError, r"logits must have shape \[\*, \*\], got \[24\]"),
+    (dict(logits=torch.randn(4, 0)), ValueError, "logits must have at least one expert column"),
+    (dict(logits=torch.randn(2, 4097)), ValueError, r"logits: num_experts \(= 4097\) must be in \[1, 4096\]"),
+    (dict(cfg=mr.RouterConfig(top_k=13)), ValueError, r"top_k \(= 13\) exceeds the number of experts \(= 12\)"),
+    (dict(config="top_k=3;topk=4"), ValueError, "RouterConfig has no field 'topk'"),
+    (dict(config="top_k=three"), ValueError, "top_k = 'three' is not a whole number"),
+    (dict(config="gating=softmaxx"), ValueError, "gating = 'softmaxx' is not one of: softmax, sigmoid"),
+    (dict(admission="kind=capacity;overflow=sideways"), ValueError, "overflow = 'sideways' is not one of"),
+    (dict(cfg=mr.RouterConfig(selection="expert_bias", top_k=K), expert_bias=torch.zeros(E + 1)), ValueError,
+     r"expert_bias must have shape \[12\], got \[13\]"),
+    (dict(cfg=mr.RouterConfig(selection="expert_bias", top_k=K), expert_bias=torch.zeros(E, dtype=torch.int32)),
+     TypeError, "expert_bias must be torch.float32, got torch.int32"),
+    (dict(sequence_ids=torch.zeros(N, dtype=torch.int32)), ValueError, "num_sequences must be >= 1"),
+    (dict(sequence_ids=torch.zeros(N + 1, dtype=torch.int32), num_sequences=1), ValueError,
+     r"sequence_ids must have shape \[24\]"),
+    (dict(cfg=mr.RouterConfig(top_k=K, prior="log_prior_bias"), prior_bias=torch.zeros(2, E),
+          token_prior_row=torch.full((N,), 5, dtype=torch.int32)), ValueError, r"token_prior_row\[0\] \(= 5\)"),
+    (dict(token_prior_row=torch.full((N,), 2**40, dtype=torch.int64)), ValueError,
+     "token_prior_row has values outside the int32 range"),
+    (dict(admission=mr.Admission.cipher_strict(0.1).to_text(), hidden_norms=torch.ones(N - 1),
+          weight_norms=torch.ones(E)), ValueError, r"hidden_norms must have shape \[24\]"),
+    (dict(admission=mr.Admission.capacity_probs(1.0).to_text(), num_groups=0), ValueError, "num_groups must be >= 1"),
+    (dict(logits=_logits().to("meta"), expert_bias=torch.zeros(E),
+          cfg=mr.RouterConfig(selection="expert_bias", top_k=K)), ValueError, "expert_bias is on cpu, but logits is on meta"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_ROUTE)))
+def test_route_operator_rejects(case):
+    changes, error, message = BAD_ROUTE[case]
+    with pytest.raises(error, match=message):
+        _bad_route(**changes)()
+
+
+def test_other_operators_reject_bad_input():
+    z = _logits()
+    cfg = mr.RouterConfig(top_k=K).to_text()
+    routed = torch.zeros(N, K, dtype=torch.int32)
+    gates = torch.zeros(N, K)
+    with pytest.raises(ValueError, match=r"routed_indices must have shape \[24, 3\]"):
+        ops.admit(z, cfg, "kind=capacity", routed[:, :2], gates, None, None, None, 1, None, 1)
+    with pytest.raises(TypeError, match="routed_gates must be torch.float32"):
+        ops.admit(z, cfg, "kind=capacity", routed, gates.double(), None, None, None, 1, None, 1)
+    with pytest.raises(ValueError, match="align must be >= 1"):
+        ops.dispatch(routed, E, 0, 1, None)
+    with pytest.raises(ValueError, match="num_ranks must be >= 1"):
+        ops.dispatch(routed, E, 1, 0, None)
+    with pytest.raises(ValueError, match=r"indices\[0\]"):
+        ops.dispatch(torch.full((2, 2), E, dtype=torch.int32), E, 1, 1, None)
+    with pytest.raises(ValueError, match=r"group_ids must have shape \[24\]"):
+        ops.expert_choice(z, 2, 1.0, 0, torch.zeros(3, dtype=torch.int32), 2, None, 1)
+    with pytest.raises(TypeError, match="capacity must be torch.int64"):
+        ops.expert_choice(z, 2, 1.0, 0, None, 1, torch.ones(E, dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match=r"grad_gates must have shape \[24, 12\]"):
+        ops.expert_choice_backward(torch.zeros(N, E - 1), z, torch.zeros(N, E, dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match="the same number of layers, got 2 and 1"):
+        ops.router_l2([torch.zeros(2, 3), torch.zeros(2, 3)], [torch.zeros(2, 3)], 1.0)
+    with pytest.raises(ValueError, match=r"layer 0 base must have shape \[2, 3\], got \[3, 2\]"):
+        ops.router_l2([torch.zeros(2, 3)], [torch.zeros(3, 2)], 1.0)
+    with pytest.raises(ValueError, match="num_rows must be >= 1"):
+        ops.prior_build(z, torch.zeros(N, dtype=torch.int32), 0, "softmax")
+    with pytest.raises(ValueError, match=r"rows must have shape \[24\]"):
+        ops.prior_build(z, torch.zeros(N - 1, dtype=torch.int32), 2, "softmax")
+    with pytest.raises(ValueError, match="gating = 'relu' is not one of"):
+        ops.prior_build(z, torch.zeros(N, dtype=torch.int32), 2, "relu")
+    with pytest.raises(TypeError, match="pi must be torch.float32"):
+        ops.prior_prepare(torch.ones(2, E, dtype=torch.float64), 0.05, 5.0)
+    bias = torch.linspace(-1, 1, E)
+    before = bias.clone()
+    with pytest.raises(ValueError, match=r"loads must have shape \[12\]"):
+        ops.expert_bias_update(bias, torch.ones(E + 1), 1e-3)
+    assert torch.equal(bias, before)  # nothing half-written
+    with pytest.raises(ValueError, match="expert_bias must be a contiguous 1-D float32 tensor"):
+        ops.expert_bias_update(bias.double(), torch.ones(E), 1e-3)

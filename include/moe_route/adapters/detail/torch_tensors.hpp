@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include <moe_route/config.hpp>
 #include <moe_route/types.hpp>
 
 namespace moe_route::adapters::detail {
@@ -111,10 +112,13 @@ inline std::optional<at::Tensor> checked(const std::optional<at::Tensor>& t, con
   return checked(*t, name, dtype, shape, where);
 }
 
-// Logits [N, E] float32 with E >= 1.
+// Logits [N, E] float32 with 1 <= E <= max_experts.
 inline at::Tensor logits_of(const at::Tensor& logits, const placement& where) {
   at::Tensor z = checked(logits, "logits", at::kFloat, {-1, -1}, where);
   if (z.size(1) < 1) value_error("logits must have at least one expert column, got shape " + shape_of(z));
+  if (z.size(1) > max_experts)
+    value_error("logits: num_experts (= " + std::to_string(z.size(1)) + ") must be in [1, " +
+                std::to_string(max_experts) + "]");
   return z;
 }
 
