@@ -22,8 +22,7 @@ def torch_route(z, cfg, bias):
     key = scores + bias if cfg.uses_expert_bias else scores
     idx = torch.topk(key, cfg.top_k, dim=-1).indices
     gates = scores.gather(1, idx)
-    normalize = cfg.to_dict()["normalize"]
-    if normalize:
+    if cfg.normalizes:
         gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
     gates = gates * cfg.scaling_factor
     aux = z.new_zeros(())

@@ -104,6 +104,11 @@ class RouterConfig(_Fields):
         return int(_C.preset(name)["num_experts"])
 
     @property
+    def normalizes(self) -> bool:
+        """Whether the gates are normalised: ``normalize``, or the gating's default when it is None."""
+        return _C.normalizes(self.to_text())
+
+    @property
     def uses_expert_bias(self) -> bool:
         return self.selection in ("expert_bias", "group_limited_bias")
 

@@ -15,8 +15,14 @@ Tensor = torch.Tensor
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@torch.compiler.assume_constant_result
+def _default_threads() -> int:
+    """torch's intra-op thread count; a constant of the graph under torch.compile."""
+    return torch.get_num_threads()
+
+
 def _threads(threads: Optional[int]) -> int:
-    return torch.get_num_threads() if threads is None else int(threads)
+    return _default_threads() if threads is None else int(threads)
 
 
 def _as_logits(logits: Tensor) -> Tensor:

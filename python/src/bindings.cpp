@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -174,6 +175,11 @@ py::dict preset(const std::string& name) {
   return d;
 }
 
+// Whether the router of a configuration text normalises its gates (the field, or the gating's default).
+bool normalizes(const std::string& config) {
+  return parsed([&] { return ad::detail::router_config_of(config); }).normalize;
+}
+
 // (top_k, workspace fixed bytes, bytes per value, chunk): route's output shapes
 // as functions of N (runtime::workspace_shape).
 py::tuple route_shape(const std::string& config, std::int64_t num_experts, std::int64_t num_sequences) {
@@ -188,6 +194,33 @@ py::tuple route_shape(const std::string& config, std::int64_t num_experts, std::
 py::tuple admission_flags(const std::string& admission) {
   const rt::admission_config a = parsed([&] { return ad::detail::admission_config_of(admission); });
   return py::make_tuple(!a.dropless, rt::renormalizes(a));
+}
+
+// The benchmark's peer (python/bench/bench_overhead.py): seconds per call of
+// runtime::route on these CPU logits with outputs allocated once, the direct
+// C++ call the operator path is measured against.
+double direct_route_seconds(const std::string& config, const tensor& logits, std::int64_t calls, std::int64_t threads) {
+  const rt::router_config c = parsed([&] { return ad::detail::router_config_of(config); });
+  const ad::detail::placement where = ad::detail::placement_of(logits, "logits");
+  const tensor z = ad::detail::logits_of(logits, where);
+  if (!z.device().is_cpu()) ad::detail::value_error("direct_route_seconds times the CPU backend: logits must be on the CPU");
+  moe_route::route_inputs<float> in;
+  in.logits = z.data_ptr<float>();
+  in.num_tokens = z.size(0);
+  in.num_experts = static_cast<int>(z.size(1));
+  in.mode = moe_route::mode::train;  // as the operator path's training=True
+  std::vector<std::int32_t> indices(static_cast<std::size_t>(in.num_tokens * c.top_k));
+  std::vector<float> gates(indices.size());
+  std::vector<double> values(rt::num_penalties);
+  std::vector<std::uint8_t> workspace(rt::workspace_bytes(c, in.num_tokens, in.num_experts));
+  moe_route::route_outputs out{indices.data(), gates.data()};
+  out.penalty_values = values.data();
+  out.workspace = workspace.data();
+  out.workspace_bytes = workspace.size();
+  const py::gil_scoped_release unlocked;
+  const auto start = std::chrono::steady_clock::now();
+  for (std::int64_t i = 0; i < calls; ++i) rt::route(c, in, out, moe_route::cpu::execution{static_cast<int>(threads)});
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / static_cast<double>(calls);
 }
 
 }  // namespace
@@ -253,6 +286,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("with_cuda") = false;
 #endif
   m.def("preset", &preset);
+  m.def("normalizes", &normalizes);
   m.def("route_shape", &route_shape);
   m.def("admission_flags", &admission_flags);
+  m.def("direct_route_seconds", &direct_route_seconds);
 }

@@ -1,0 +1,74 @@
+"""Call overhead of the operator path (issue 15 item 6; docs/performance.md), one
+process, CPU, one thread, interleaved rounds:
+
+  * the decode regime, N in {1, 16, 256} tokens of E = 64 logits, top-6: the whole
+    Python call mr.route (torch.ops.moe_route.route, then .dispatch) and the route
+    operator alone, against a bare torch.topk(z, 6) on the same logits;
+  * N = 16384: the route operator against the direct C++ call of the same router
+    (runtime::route with outputs allocated once, _C.direct_route_seconds).
+
+    PYTHONPATH=build/default/python .venv/bin/python python/bench/bench_overhead.py [--rounds 15]
+
+Prints the median per-call time of each side and their ratio."""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import moe_route as mr
+from moe_route._ops import ops
+
+E, K = 64, 6
+
+
+def per_call(fn, calls):
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter_ns() - start) / calls / 1e3  # microseconds
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cfg = mr.RouterConfig(gating="softmax", top_k=K)
+    text = cfg.to_text()
+    print(f"torch {torch.__version__}, 1 thread, median of {args.rounds} interleaved rounds (microseconds per call)")
+    print("| N | torch.topk | route operator | mr.route | operator / topk | mr.route / topk |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n in (1, 16, 256):
+        z = torch.randn(n, E, generator=torch.Generator().manual_seed(n))
+        sides = {
+            "topk": lambda: torch.topk(z, K),
+            "op": lambda: ops.route(z, text, None, None, None, None, None, 0, None, None, 0, True, "", None, None,
+                                    None, 1, None, 1),
+            "api": lambda: mr.route(z, cfg, threads=1),
+        }
+        calls = 20000 if n < 256 else 5000
+        for fn in sides.values():
+            per_call(fn, calls // 10)  # warm up
+        times = {name: [] for name in sides}
+        for _ in range(args.rounds):
+            for name, fn in sides.items():
+                times[name].append(per_call(fn, calls))
+        m = {name: statistics.median(t) for name, t in times.items()}
+        print(f"| {n} | {m['topk']:.2f} | {m['op']:.2f} | {m['api']:.2f} | {m['op'] / m['topk']:.2f} | "
+              f"{m['api'] / m['topk']:.2f} |")
+
+    n = 16384
+    z = torch.randn(n, E, generator=torch.Generator().manual_seed(n))
+    op_times, direct_times = [], []
+    for _ in range(args.rounds):
+        op_times.append(per_call(lambda: ops.route(z, text, None, None, None, None, None, 0, None, None, 0, True, "",
+                                                   None, None, None, 1, None, 1), 20))
+        direct_times.append(mr._C.direct_route_seconds(text, z, 20, 1) * 1e6)
+    op, direct = statistics.median(op_times), statistics.median(direct_times)
+    print(f"\nN = {n}: route operator {op:.1f} us, direct C++ call {direct:.1f} us, operator / direct {op / direct:.3f}")
+
+
+if __name__ == "__main__":
+    main()
