@@ -240,8 +240,8 @@ class route_function : public torch::autograd::Function<route_function> {
       }
       if (per_rank(st->call)) seg.inputs.rank = st->call.group_ids[static_cast<std::size_t>(seg.begin)];
       const ad::route_result r = ad::route(st->call.router, rt::admission_config{}, seg.inputs, {}, st->call.threads);
-      routed.push_back(r.routed_indices);
-      gates.push_back(r.routed_gates);
+      routed.push_back(r.indices);
+      gates.push_back(r.gates);
       seg.workspace = r.workspace;
       // The penalties of a per-rank call average over the ranks, as data-parallel gradient averaging does.
       values += r.penalty_values / static_cast<double>(st->segments.size());

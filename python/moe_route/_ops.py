@@ -44,9 +44,11 @@ def _route_fake(logits, config, expert_bias, prior_bias, prior_probs, token_prio
     n, e = logits.shape
     top_k, fixed, per_value, chunk = _C.route_shape(config, int(e), int(num_sequences))
     workspace = fixed + per_value * (n + (n + chunk - 1) // chunk)
-    pair = lambda dtype: _empty((n, top_k), dtype, logits)  # noqa: E731
-    return (pair(torch.float32), _empty((NUM_PENALTIES,), torch.float32, logits), pair(torch.int32),
-            pair(torch.int32), pair(torch.float32), pair(torch.int8), _empty((workspace,), torch.uint8, logits),
+    admitted = n if _C.admission_flags(admission)[0] else 0  # the routed_* and status rows: [0, K] if dropless
+    pair = lambda rows, dtype: _empty((rows, top_k), dtype, logits)  # noqa: E731
+    return (pair(n, torch.float32), _empty((NUM_PENALTIES,), torch.float32, logits), pair(n, torch.int32),
+            pair(admitted, torch.int32), pair(admitted, torch.float32), pair(admitted, torch.int8),
+            _empty((workspace,), torch.uint8, logits),
             _empty((), torch.int64, logits), _empty((len(ADMISSION_REPORT),), torch.int64, logits))
 
 
@@ -138,8 +140,8 @@ def _route_setup_context(ctx, inputs, output):
     _, _, indices, routed_indices, _, _, workspace, _, _ = output
     admitting, ctx.renormalize = _C.admission_flags(a["admission"])
     ctx.save_for_backward(a["logits"], a["expert_bias"], a["prior_bias"], a["prior_probs"], a["token_prior_row"],
-                          a["sequence_ids"], a["load_fractions"], a["expert_rank"], routed_indices, workspace,
-                          indices if admitting else None)
+                          a["sequence_ids"], a["load_fractions"], a["expert_rank"],
+                          routed_indices if admitting else indices, workspace, indices if admitting else None)
     ctx.config, ctx.num_sequences, ctx.rank = a["config"], a["num_sequences"], a["rank"]
     ctx.training, ctx.threads = a["training"], a["threads"]
 

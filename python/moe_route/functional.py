@@ -148,9 +148,10 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
     if num_ranks is None:
         num_ranks = int(expert_rank.max().item()) + 1 if expert_rank is not None and expert_rank.numel() else 1
     meta = dispatch(indices, z.shape[1], align=dispatch_align, num_ranks=num_ranks, expert_rank=expert_rank)
-    return RouteResult(indices, gates, routed_indices,
-                       routed_gates, status if admitting else None, values, meta, nonfinite,
-                       counts if admitting else None)
+    if not admitting:  # the operator returns the routing once: [0, K] in its routed_* outputs
+        routed_indices, routed_gates = indices, gates.detach()
+    return RouteResult(indices, gates, routed_indices, routed_gates, status if admitting else None, values, meta,
+                       nonfinite, counts if admitting else None)
 
 
 @dataclass

@@ -73,6 +73,30 @@ auto parsed(F&& f) {
   return ad::detail::translating_errors(f);
 }
 
+// The configuration of a text, parsed once per thread while the text stays
+// the same (a model calls its router with one configuration, step after step).
+template <class Config, Config (*parse)(std::string_view)>
+const Config& cached(c10::string_view text) {
+  thread_local std::string last_text;
+  thread_local Config last{};
+  thread_local bool valid = false;
+  const std::string_view t(text.data(), text.size());
+  if (!valid || t != last_text) {
+    last = parsed([&] { return parse(t); });
+    last_text.assign(t);
+    valid = true;
+  }
+  return last;
+}
+
+const rt::router_config& router_config_of(c10::string_view text) {
+  return cached<rt::router_config, ad::detail::router_config_of>(text);
+}
+
+const rt::admission_config& admission_config_of(c10::string_view text) {
+  return cached<rt::admission_config, ad::detail::admission_config_of>(text);
+}
+
 std::tuple<tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor> route(
     const tensor& logits, c10::string_view config, const optional_tensor& expert_bias,
     const optional_tensor& prior_bias, const optional_tensor& prior_probs, const optional_tensor& token_prior_row,
@@ -80,8 +104,8 @@ std::tuple<tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, tenso
     const optional_tensor& expert_rank, std::int64_t rank, bool training, c10::string_view admission,
     const optional_tensor& hidden_norms, const optional_tensor& weight_norms, const optional_tensor& group_ids,
     std::int64_t num_groups, const optional_tensor& capacity, std::int64_t threads) {
-  const auto c = parsed([&] { return ad::detail::router_config_of(config); });
-  const auto a = parsed([&] { return ad::detail::admission_config_of(admission); });
+  const rt::router_config c = router_config_of(config);
+  const rt::admission_config a = admission_config_of(admission);
   const ad::route_result r =
       ad::route(c, a,
                 route_tensors_of(logits, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
@@ -98,7 +122,7 @@ tensor route_backward(const tensor& grad_gates, const tensor& grad_penalties, co
                       const optional_tensor& load_fractions, const optional_tensor& expert_rank, std::int64_t rank,
                       bool training, const tensor& routed_indices, const tensor& workspace,
                       const optional_tensor& admitted_indices, bool renormalize, std::int64_t threads) {
-  const auto c = parsed([&] { return ad::detail::router_config_of(config); });
+  const rt::router_config c = router_config_of(config);
   return ad::backward(c,
                       route_tensors_of(logits, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
                                        num_sequences, load_fractions, expert_rank, rank, training),
@@ -112,8 +136,8 @@ std::tuple<tensor, tensor, tensor, tensor> admit(const tensor& logits, c10::stri
                                                  const optional_tensor& weight_norms, const optional_tensor& group_ids,
                                                  std::int64_t num_groups, const optional_tensor& capacity,
                                                  std::int64_t threads) {
-  const auto c = parsed([&] { return ad::detail::router_config_of(config); });
-  const auto a = parsed([&] { return ad::detail::admission_config_of(admission); });
+  const rt::router_config c = router_config_of(config);
+  const rt::admission_config a = admission_config_of(admission);
   const ad::admit_result r = ad::admit(c, a, logits, routed_indices, routed_gates,
                                        admission_tensors_of(hidden_norms, weight_norms, group_ids, num_groups, capacity),
                                        threads_of(threads));
@@ -177,13 +201,13 @@ py::dict preset(const std::string& name) {
 
 // Whether the router of a configuration text normalises its gates (the field, or the gating's default).
 bool normalizes(const std::string& config) {
-  return parsed([&] { return ad::detail::router_config_of(config); }).normalize;
+  return router_config_of(config).normalize;
 }
 
 // (top_k, workspace fixed bytes, bytes per value, chunk): route's output shapes
 // as functions of N (runtime::workspace_shape).
 py::tuple route_shape(const std::string& config, std::int64_t num_experts, std::int64_t num_sequences) {
-  const rt::router_config c = parsed([&] { return ad::detail::router_config_of(config); });
+  const rt::router_config c = router_config_of(config);
   const rt::workspace_shape w =
       rt::workspace_shape_of(c, static_cast<int>(num_experts), static_cast<std::int32_t>(num_sequences));
   return py::make_tuple(c.top_k, w.fixed, w.per_value, w.chunk);
@@ -192,7 +216,7 @@ py::tuple route_shape(const std::string& config, std::int64_t num_experts, std::
 // (admits, renormalizes) of an admission text: whether it is capacity
 // admission, and whether route_backward renormalises (runtime::renormalizes).
 py::tuple admission_flags(const std::string& admission) {
-  const rt::admission_config a = parsed([&] { return ad::detail::admission_config_of(admission); });
+  const rt::admission_config a = admission_config_of(admission);
   return py::make_tuple(!a.dropless, rt::renormalizes(a));
 }
 
@@ -200,7 +224,7 @@ py::tuple admission_flags(const std::string& admission) {
 // runtime::route on these CPU logits with outputs allocated once, the direct
 // C++ call the operator path is measured against.
 double direct_route_seconds(const std::string& config, const tensor& logits, std::int64_t calls, std::int64_t threads) {
-  const rt::router_config c = parsed([&] { return ad::detail::router_config_of(config); });
+  const rt::router_config c = router_config_of(config);
   const ad::detail::placement where = ad::detail::placement_of(logits, "logits");
   const tensor z = ad::detail::logits_of(logits, where);
   if (!z.device().is_cpu()) ad::detail::value_error("direct_route_seconds times the CPU backend: logits must be on the CPU");

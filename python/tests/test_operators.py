@@ -59,7 +59,8 @@ def test_opcheck_route_backward_admit_dispatch():
     cfg = mr.RouterConfig(top_k=K, load_balance=1e-2, z_loss=1e-3)
     z = _logits()
     out = ops.route(*_route_args(z, cfg))
-    routed, routed_gates, workspace = out[3], out[4], out[6]
+    routed, routed_gates, workspace = out[2], out[0].detach(), out[6]  # dropless: indices, gates are the routed ones
+    assert out[3].shape == (0, K) and out[4].shape == (0, K) and out[5].shape == (0, K)
     grad_gates, grad_values = torch.randn(N, K), torch.randn(5)
     torch.library.opcheck(ops.route_backward.default,
                           (grad_gates, grad_values, z, cfg.to_text(), None, None, None, None, None, 0, None, None, 0,

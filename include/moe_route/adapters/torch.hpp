@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <moe_route/adapters/detail/config_text.hpp>
@@ -63,8 +64,10 @@ struct admission_tensors {
 
 struct route_result {
   at::Tensor indices, gates;                // [N, K] int32, float32: after admission
-  at::Tensor routed_indices, routed_gates;  // [N, K] before admission
-  at::Tensor status;                        // [N, K] int8: 0 kept, 1 dropped, 2 rerouted
+  // Under capacity admission [N, K]: the routing before admission and each slot's outcome (0 kept,
+  // 1 dropped, 2 rerouted); under dropless admission [0, K] (indices and gates are the routed ones).
+  at::Tensor routed_indices, routed_gates;  // int32, float32
+  at::Tensor status;                        // int8
   at::Tensor penalty_values;                // [num_penalties] float64, runtime::penalty_names order
   at::Tensor workspace;                     // uint8 [workspace_bytes]: read by backward()
   at::Tensor nonfinite_rows;                // int64 []: rows with a non-finite logit
@@ -173,8 +176,7 @@ inline void admit_into(const runtime::router_config& c, const runtime::admission
 
 }  // namespace detail
 
-// Routes, then admits unless `a` is dropless (then indices, gates are copies
-// of the routed ones, status 0 and the report zero).
+// Routes, then admits unless `a` is dropless (then the report is zero).
 inline route_result route(const runtime::router_config& c, const runtime::admission_config& a, const route_tensors& t,
                           const admission_tensors& admission, int threads) {
   return detail::translating_errors([&] {
@@ -185,8 +187,8 @@ inline route_result route(const runtime::router_config& c, const runtime::admiss
       detail::value_error("top_k (= " + std::to_string(c.top_k) + ") exceeds the number of experts (= " +
                           std::to_string(call.in.num_experts) + ")");
     route_result r;
-    r.routed_indices = at::empty({n, c.top_k}, where.options(at::kInt));
-    r.routed_gates = at::empty({n, c.top_k}, where.options(at::kFloat));
+    r.indices = at::empty({n, c.top_k}, where.options(at::kInt));
+    r.gates = at::empty({n, c.top_k}, where.options(at::kFloat));
     r.penalty_values = at::zeros({runtime::num_penalties}, where.options(at::kDouble));
     // Zeroed: the bytes route leaves unwritten (alignment padding) are then fixed too, so equal inputs give
     // equal outputs, workspace included (torch.compile's checks compare every output).
@@ -195,8 +197,8 @@ inline route_result route(const runtime::router_config& c, const runtime::admiss
                             where.options(at::kByte));
     r.nonfinite_rows = at::zeros({}, where.options(at::kLong));
     route_outputs out;
-    out.indices = r.routed_indices.data_ptr<std::int32_t>();
-    out.gates = r.routed_gates.data_ptr<float>();
+    out.indices = r.indices.data_ptr<std::int32_t>();
+    out.gates = r.gates.data_ptr<float>();
     out.penalty_values = r.penalty_values.data_ptr<double>();
     out.workspace = r.workspace.data_ptr<std::uint8_t>();
     out.workspace_bytes = static_cast<std::size_t>(r.workspace.numel());
@@ -214,11 +216,13 @@ inline route_result route(const runtime::router_config& c, const runtime::admiss
       r.nonfinite_rows.fill_(runtime::route(c, call.in, out, cpu::execution{threads}).nonfinite_rows);
     }
     if (a.dropless) {
-      r.indices = r.routed_indices.clone();
-      r.gates = r.routed_gates.clone();
-      r.status = at::zeros({n, c.top_k}, where.options(at::kChar));
+      r.routed_indices = at::empty({0, c.top_k}, where.options(at::kInt));
+      r.routed_gates = at::empty({0, c.top_k}, where.options(at::kFloat));
+      r.status = at::empty({0, c.top_k}, where.options(at::kChar));
       r.admission_report = detail::report_tensor<admission_report>(where);
     } else {
+      r.routed_indices = std::move(r.indices);
+      r.routed_gates = std::move(r.gates);
       detail::admit_into(c, a, where, call.logits, r.routed_indices, r.routed_gates, admission, threads, r.indices,
                          r.gates, r.status, r.admission_report);
     }
