@@ -9,7 +9,9 @@
 # Then it runs them, quickest and most telling first, so that a command cut
 # short by its time limit still returns the main results: the GPU tests
 # without the 2^24-token case, the admission tests, moe_lm_cuda_tests, the
-# extension's pytest suite (test_cuda.py: CUDA vs CPU), the benchmarks
+# extension's pytest suite (test_cuda.py: CUDA vs CPU bit for bit, a training step
+# under torch.cuda.set_sync_debug_mode("error"), CUDA-graph replay against
+# eager; test_operators.py: opcheck), the benchmarks
 # (moe_route_gpu_bench, bench_extension.py --device cuda), and last the
 # 2^24-token case. Every log goes to $OUT (the device tool's output folder;
 # build/gpu/out elsewhere), with the time each stage ended in stages.txt.

@@ -151,8 +151,9 @@ struct backward_args {
   bool renormalize = false;
 
   // Routers with penalties: the workspace the forward filled, and the upstream
-  // gradient of each penalty value (host memory, router's penalty order;
-  // null means 1 for every penalty).
+  // gradient of each penalty value (router's penalty order; null means 1 for
+  // every penalty), in the backend's memory like the other arrays: device
+  // memory for cuda::backward, so that a backward never waits for the host.
   // The backward also writes its shared dL/dp into the workspace.
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;

@@ -289,3 +289,49 @@ def test_bad_device_arguments(gen):
                  group_ids=torch.full((n,), 5, dtype=torch.int32, device=DEV), num_groups=2)
     with pytest.raises(ValueError, match="rows must be -1 or in"):
         mr.prior.build(z, torch.full((n,), 9, device=DEV), 3)
+
+
+# ---------------------------------------------------------------------------
+# No host synchronisation, and CUDA-graph capture (issue 15, item 4).
+
+_STEP_CONFIG = mr.RouterConfig(gating="softmax", top_k=4, load_balance=1e-2, z_loss=1e-3)
+
+
+def _training_step(z, w):
+    res = mr.route(z, _STEP_CONFIG, num_ranks=1)
+    (grad,) = torch.autograd.grad((res.gates * w).sum() + res.aux_loss, z)
+    return res.indices, res.gates.detach(), res.penalty_values.detach(), res.dispatch.permutation, grad
+
+
+def test_training_step_does_not_synchronise():
+    z = randn(512, 64).cuda().requires_grad_(True)
+    w = randn(512, 4).cuda()
+    _training_step(z, w)  # first call: allocator growth and lazy initialisation
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _training_step(z, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_graph_replay_equals_eager():
+    static_z = randn(512, 64).cuda().requires_grad_(True)
+    w = randn(512, 4).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm up on a side stream, as torch.cuda.graph asks
+            _training_step(static_z, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _training_step(static_z, w)
+    fresh = randn(512, 64, scale=2.0).cuda()
+    with torch.no_grad():
+        static_z.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = _training_step(fresh.clone().requires_grad_(True), w)
+    for got, want in zip(captured, eager):
+        assert same_bits(got, want)

@@ -42,16 +42,22 @@ ROUTE_CASES = {
 }
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not (mr.with_cuda and torch.cuda.is_available()), reason="needs the CUDA branch and a CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(ROUTE_CASES))
-def test_opcheck_route(name):
+def test_opcheck_route(name, device):
     cfg, admission = ROUTE_CASES[name]
-    z = _logits(requires_grad=True)
+    z = _logits().to(device).requires_grad_(True)
     bias = torch.linspace(-0.1, 0.1, E) if cfg.uses_expert_bias else None
     norms = (torch.rand(N) + 0.5, torch.rand(E) + 0.5) if admission is not None and admission.needs_norms else (None,
                                                                                                               None)
     prior = _prior() if cfg.prior != "none" else (None, None, None)
-    args = _route_args(z, cfg, admission.to_text() if admission else "", expert_bias=bias, prior=prior,
-                       hidden_norms=norms[0], weight_norms=norms[1])
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    args = _route_args(z, cfg, admission.to_text() if admission else "", expert_bias=on(bias),
+                       prior=tuple(on(t) for t in prior), hidden_norms=on(norms[0]), weight_norms=on(norms[1]))
     torch.library.opcheck(ops.route.default, args)
 
 

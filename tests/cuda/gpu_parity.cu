@@ -894,7 +894,8 @@ void check_training_parity(const Router& r, int E, std::int64_t N, std::mt19937&
   b.grad_gates = dgrad.get();
   b.workspace = dws.get();
   b.workspace_bytes = bytes;
-  b.penalty_grads = upstream.data();
+  const device_buffer<float> dupstream(upstream);  // device memory, as cuda::backward reads it
+  b.penalty_grads = dupstream.get();
   mr::cuda::backward(r, dev_in, b, stream);
   CUDA_REQUIRE(cudaStreamSynchronize(stream));
   CHECK_MESSAGE(same_bits(didx.to_host(), cpu_idx), "indices differ");
@@ -1087,7 +1088,8 @@ void check_runtime_parity(const rt::router_config& c, int E, std::int64_t N, boo
   mr::backward_args b{didx.get(), dgrad.get(), ddz.get()};
   b.workspace = dws.get();
   b.workspace_bytes = bytes;
-  b.penalty_grads = upstream.data();
+  const device_buffer<float> dupstream(upstream);  // device memory, as cuda::backward reads it
+  b.penalty_grads = dupstream.get();
   scratch.poison();  // backward writes the neutral inputs again
   rt::cuda::backward(c, dev_in, b, scratch.get(), scratch_bytes, stream);
   CUDA_REQUIRE(cudaStreamSynchronize(stream));

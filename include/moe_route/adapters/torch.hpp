@@ -11,7 +11,8 @@
 // compiled with MOE_ROUTE_TORCH_WITH_CUDA and linked with
 // moe_route::cuda_runtime; nothing in the routing, backward or dispatch calls
 // waits for the device (the admission and expert-choice calls read one
-// invalid-input counter back, see docs/python.md).
+// invalid-input counter back, and the expert-bias update goes through a host
+// copy; docs/python.md).
 //
 // Configurations come as runtime::router_config / admission_config, or in
 // text form (detail/config_text.hpp: router_config_of, admission_config_of).
@@ -243,9 +244,7 @@ inline at::Tensor backward(const runtime::router_config& c, const route_tensors&
     const std::int64_t n = call.in.num_tokens;
     const at::Tensor idx = detail::checked(routed_indices, "routed_indices", at::kInt, {n, c.top_k}, where);
     const at::Tensor dw = detail::checked(grad_gates, "grad_gates", at::kFloat, {n, c.top_k}, where);
-    // Both backends read the penalty gradients on the host (5 floats).
-    const at::Tensor dp = detail::checked(grad_penalties.cpu(), "grad_penalties", at::kFloat, {runtime::num_penalties},
-                                          detail::placement{c10::Device(c10::kCPU), "the host"});
+    const at::Tensor dp = detail::checked(grad_penalties, "grad_penalties", at::kFloat, {runtime::num_penalties}, where);
     // A copy: the backward writes its own scratch into the workspace, and the caller's stays as route left
     // it (an operator does not mutate its inputs; a second backward reads the same bytes).
     const at::Tensor ws = detail::checked(workspace, "workspace", at::kByte, {-1}, where).clone();

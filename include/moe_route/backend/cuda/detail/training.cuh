@@ -97,11 +97,22 @@ MOE_ROUTE_KERNEL void penalty_values_kernel(const Router r, const penalty::train
   if (blockIdx.x == 0 && threadIdx.x == 0) penalty::values(r, s, out);
 }
 
+// The upstream gradients of the penalty values, read from device memory
+// (backward_args::penalty_grads; null: 1 each).
+template <class Router>
+__device__ penalty::upstream_grads upstream_of(const float* penalty_grads) {
+  penalty::upstream_grads up;
+  if (penalty_grads != nullptr)
+    for (int j = 0; j < Router::num_penalties; ++j) up.value[j] = penalty_grads[j];
+  return up;
+}
+
 // The shared dL/dp of the distribution-space penalties (one block).
 template <class Router>
 MOE_ROUTE_KERNEL void distribution_grads_kernel(const Router r, const penalty::training_state s,
-                                                const penalty::upstream_grads up, float* expert_grad,
+                                                const float* penalty_grads, float* expert_grad,
                                                 float* sequence_grad) {
+  const penalty::upstream_grads up = upstream_of<Router>(penalty_grads);
   __shared__ int local;
   __shared__ std::int64_t nonempty;
   if (threadIdx.x == 0) {
@@ -127,9 +138,9 @@ MOE_ROUTE_KERNEL void distribution_grads_kernel(const Router r, const penalty::t
 template <class Router, class T>
 MOE_ROUTE_KERNEL void __launch_bounds__(tuning::max_block_threads)
     backward_training_kernel(const Router r, training_params<T> p, const penalty::workspace_header* header,
-                             const penalty::upstream_grads up) {
+                             const float* penalty_grads) {
   if constexpr (Router::has_penalties)
-    if (p.on.any()) p.weights = penalty::weights(r, *header, up);
+    if (p.on.any()) p.weights = penalty::weights(r, *header, upstream_of<Router>(penalty_grads));
   for (std::int64_t token = warp_first_token(); token < p.num_tokens; token += warp_stride())
     backward_training_row<cuda_warp>(r, p, token);
 }
@@ -189,17 +200,13 @@ void backward_training(const Router& r, const route_inputs<T>& in, const S* logi
   const penalty::switches on = Router::has_penalties ? penalty::active(r, in) : penalty::switches{};
   const bool penalties = Router::has_penalties && on.any();
   std::optional<penalty::workspace_view> ws;
-  penalty::upstream_grads up;
-  if constexpr (Router::has_penalties) {
-    static_assert(Router::num_penalties <= 8, "at most 8 penalties");
-    if (args.penalty_grads != nullptr)
-      for (int j = 0; j < Router::num_penalties; ++j) up.value[j] = args.penalty_grads[j];
-  }
+  static_assert(Router::num_penalties <= 8, "at most 8 penalties");
   if (penalties) {
     ws.emplace(args.workspace, penalty::training_layout<Router>(in.num_tokens, in.num_experts, in.num_sequences));
     if (on.distribution) {
       float* sequence_grad = penalty::over_sequences(r) ? ws->sequence_grad : nullptr;
-      distribution_grads_kernel<Router><<<1, 256, 0, stream>>>(r, ws->state(r, in), up, ws->expert_grad, sequence_grad);
+      distribution_grads_kernel<Router>
+          <<<1, 256, 0, stream>>>(r, ws->state(r, in), args.penalty_grads, ws->expert_grad, sequence_grad);
       check_launch("moe_route::cuda::backward: launch of the shared-gradient kernel");
     }
   }
@@ -212,7 +219,7 @@ void backward_training(const Router& r, const route_inputs<T>& in, const S* logi
   constexpr tuning::launch_policy policy = tuning::backward_general;
   backward_training_kernel<Router, S>
       <<<static_cast<unsigned>(policy.blocks_for(in.num_tokens)), policy.block_threads(), 0, stream>>>(
-          r, p, ws ? ws->header : nullptr, up);
+          r, p, ws ? ws->header : nullptr, args.penalty_grads);
   check_launch("moe_route::cuda::backward: launch of the training kernel");
 }
 
