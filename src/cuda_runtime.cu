@@ -61,6 +61,11 @@ void expert_choice_backward(const expert_choice_inputs<float>& in, const std::in
   moe_route::cuda::expert_choice_backward(in, indices, grad_gates, grad_logits, stream);
 }
 
+void update_expert_bias(const selection::expert_bias& policy, float* bias, const double* loads, int num_experts,
+                        stream_t stream) {
+  moe_route::cuda::update_expert_bias(policy, bias, loads, num_experts, stream);
+}
+
 std::size_t router_l2_workspace_bytes(const penalty::router_weights* layers, int num_layers) {
   return moe_route::cuda::router_l2_workspace_bytes(layers, num_layers);
 }

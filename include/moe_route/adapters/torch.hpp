@@ -11,8 +11,7 @@
 // compiled with MOE_ROUTE_TORCH_WITH_CUDA and linked with
 // moe_route::cuda_runtime; nothing in the routing, backward or dispatch calls
 // waits for the device (the admission and expert-choice calls read one
-// invalid-input counter back, and the expert-bias update goes through a host
-// copy; docs/python.md).
+// invalid-input counter back; docs/python.md).
 //
 // Configurations come as runtime::router_config / admission_config, or in
 // text form (detail/config_text.hpp: router_config_of, admission_config_of).
@@ -551,19 +550,25 @@ inline prior_prepare_result prior_prepare(const at::Tensor& pi, double epsilon, 
 }
 
 // The aux-loss-free step b_e += rate * sign(mean load - load_e), in place on
-// bias [E] float32. A CUDA bias is updated through a host copy (E floats): the
-// update is the host policy's, bit for bit.
+// bias [E] float32, on the bias's device (the host update's bits either way).
 inline void expert_bias_update(at::Tensor& bias, const at::Tensor& loads, double rate) {
   detail::translating_errors([&] {
     if (!bias.defined() || bias.scalar_type() != at::kFloat || !bias.is_contiguous() || bias.dim() != 1)
       detail::value_error("expert_bias must be a contiguous 1-D float32 tensor, updated in place");
     const detail::placement where = detail::placement_of(bias, "expert_bias");
-    const at::Tensor l = detail::checked(loads.to(at::kDouble), "loads", at::kDouble, {bias.size(0)}, where).cpu();
-    at::Tensor host = bias.cpu();
+    const at::Tensor l = detail::checked(loads.to(at::kDouble), "loads", at::kDouble, {bias.size(0)}, where);
     selection::expert_bias policy;
     policy.update_rate = static_cast<float>(rate);
-    policy.update(host.data_ptr<float>(), l.data_ptr<double>(), static_cast<int>(bias.size(0)));
-    if (where.cuda()) bias.copy_(host);
+#ifdef MOE_ROUTE_TORCH_WITH_CUDA
+    if (where.cuda()) {
+      const c10::DeviceGuard guard(where.device);
+      runtime::cuda::update_expert_bias(policy, bias.data_ptr<float>(), l.data_ptr<double>(),
+                                        static_cast<int>(bias.size(0)),
+                                        static_cast<runtime::cuda::stream_t>(detail::current_stream(where)));
+      return;
+    }
+#endif
+    policy.update(bias.data_ptr<float>(), l.data_ptr<double>(), static_cast<int>(bias.size(0)));
   });
 }
 

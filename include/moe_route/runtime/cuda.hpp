@@ -10,7 +10,7 @@
 //   void runtime::cuda::backward(config, inputs, backward_args, scratch, scratch_bytes, stream)
 //   std::size_t runtime::cuda::admit_workspace_bytes(config, admission, num_tokens, num_experts, num_groups)
 //   void runtime::cuda::admit(config, admission, inputs, outputs, workspace, workspace_bytes, stream)
-//   and the dispatch metadata, expert choice, Router-L2 and the prior builder.
+//   and the dispatch metadata, expert choice, the expert-bias update, Router-L2 and the prior builder.
 //
 // Every pointer in the argument structs is a device pointer unless a comment
 // says otherwise, and every call is stream-ordered: nothing is allocated and
@@ -30,6 +30,7 @@
 #include <moe_route/penalty/router_l2.hpp>
 #include <moe_route/runtime/config.hpp>
 #include <moe_route/runtime/detail/neutral.hpp>
+#include <moe_route/selection/expert_bias.hpp>
 #include <moe_route/selection/expert_choice.hpp>
 
 // cudaStream_t is `CUstream_st*`; declared here so that this header needs no CUDA header.
@@ -80,6 +81,11 @@ void expert_choice(const selection::expert_choice& p, const expert_choice_inputs
                    stream_t stream = nullptr);
 void expert_choice_backward(const expert_choice_inputs<float>& in, const std::int32_t* indices,
                             const float* grad_gates, float* grad_logits, stream_t stream = nullptr);
+
+// selection::expert_bias::update on the device (cuda::update_expert_bias):
+// bias [E] float and loads [E] double are device pointers; the host update's bits.
+void update_expert_bias(const selection::expert_bias& policy, float* bias, const double* loads, int num_experts,
+                        stream_t stream = nullptr);
 
 // penalty::router_l2::apply on the device: `layers` is a host array of device
 // pointers (each gradient is added to), `value` one device double.
