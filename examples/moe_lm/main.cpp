@@ -7,12 +7,15 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <regex>
 #include <stdexcept>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/cuda.h>
+
+#include <moe_route/adapters/detail/config_text.hpp>
 
 #include "analysis.hpp"
 #include "conditions.hpp"
@@ -134,24 +137,8 @@ void emit(const json& j, const std::string& path) {
 
 rt::admission_config admission_of(const std::string& name, float tau, bool tau_given, double capacity_factor,
                                   double fill_factor) {
-  rt::admission_config a;
-  if (name == "dropless") return a;
-  a.dropless = false;
-  a.capacity_factor = capacity_factor;
-  a.fill_factor = fill_factor;
-  if (name == "cipher_strict" || name == "cipher_reroute" || name == "locmoe") {
-    a.affinity = rt::affinity_kind::cosine;
-    a.threshold = tau_given ? tau : (name == "locmoe" ? 0.01f : 0.0f);
-    if (name == "cipher_reroute") a.overflow = rt::overflow_kind::reroute;
-  } else if (name == "capacity_position") {
-    a.affinity = rt::affinity_kind::position;
-  } else if (name == "capacity_probs") {
-    a.affinity = rt::affinity_kind::probability;
-  } else {
-    throw std::invalid_argument("unknown admission \"" + name +
-                                "\" (dropless, cipher_strict, cipher_reroute, locmoe, capacity_position, capacity_probs)");
-  }
-  return a;
+  return moe_route::adapters::detail::admission_preset_of(name, capacity_factor, fill_factor,
+                                                          tau_given ? std::optional<float>(tau) : std::nullopt);
 }
 
 json admission_json(const std::string& name, const rt::admission_config& a) {

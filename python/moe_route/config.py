@@ -145,25 +145,32 @@ class Admission(_Fields):
         return not self.is_dropless and self.overflow == "drop" and self.renormalize
 
     @classmethod
+    def _preset(cls, name: str, capacity_factor: float = 1.0, fill_factor: float = 4.0, tau=None, **fields):
+        """A preset of the C++ table (include/moe_route/adapters/detail/config_text.hpp), fields overridden."""
+        text = _C.admission_preset(name, float(capacity_factor), float(fill_factor),
+                                   None if tau is None else float(tau))
+        return cls._from_text(text, **fields)
+
+    @classmethod
     def dropless(cls) -> "Admission":
-        return cls()
+        return cls._preset("dropless")
 
     @classmethod
     def cipher_strict(cls, tau: float, capacity_factor: float = 8.0, renormalize: bool = False) -> "Admission":
-        return cls("capacity", "cosine", "drop", tau, capacity_factor, renormalize=renormalize)
+        return cls._preset("cipher_strict", capacity_factor, tau=tau, renormalize=renormalize)
 
     @classmethod
     def cipher_reroute(cls, tau: float, capacity_factor: float = 8.0, fill_factor: float = 4.0) -> "Admission":
-        return cls("capacity", "cosine", "reroute", tau, capacity_factor, fill_factor=fill_factor)
+        return cls._preset("cipher_reroute", capacity_factor, fill_factor, tau=tau)
 
     @classmethod
     def locmoe(cls, capacity_factor: float, tau: float = 0.01) -> "Admission":
-        return cls("capacity", "cosine", "drop", tau, capacity_factor)
+        return cls._preset("locmoe", capacity_factor, tau=tau)
 
     @classmethod
     def capacity_position(cls, capacity_factor: float, min_capacity: int = 0) -> "Admission":
-        return cls("capacity", "position", "drop", capacity_factor=capacity_factor, min_capacity=min_capacity)
+        return cls._preset("capacity_position", capacity_factor, min_capacity=min_capacity)
 
     @classmethod
     def capacity_probs(cls, capacity_factor: float, min_capacity: int = 0) -> "Admission":
-        return cls("capacity", "probability", "drop", capacity_factor=capacity_factor, min_capacity=min_capacity)
+        return cls._preset("capacity_probs", capacity_factor, min_capacity=min_capacity)

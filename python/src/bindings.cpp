@@ -213,6 +213,14 @@ py::tuple route_shape(const std::string& config, std::int64_t num_experts, std::
   return py::make_tuple(c.top_k, w.fixed, w.per_value, w.chunk);
 }
 
+// The text of an admission preset (adapters/detail/config_text.hpp: admission_preset_of).
+std::string admission_preset(const std::string& name, double capacity_factor, double fill_factor,
+                             std::optional<float> threshold) {
+  return parsed([&] {
+    return ad::detail::text_of(ad::detail::admission_preset_of(name, capacity_factor, fill_factor, threshold));
+  });
+}
+
 // (admits, renormalizes) of an admission text: whether it is capacity
 // admission, and whether route_backward renormalises (runtime::renormalizes).
 py::tuple admission_flags(const std::string& admission) {
@@ -313,5 +321,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("normalizes", &normalizes);
   m.def("route_shape", &route_shape);
   m.def("admission_flags", &admission_flags);
+  m.def("admission_preset", &admission_preset);
   m.def("direct_route_seconds", &direct_route_seconds);
 }

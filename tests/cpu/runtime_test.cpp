@@ -3,7 +3,10 @@
 // policies that are off, and names the bad field or the missing input.
 #include <moe_route/runtime/instantiate.hpp>  // the runtime calls come compiled (moe_route::runtime)
 
+#include <moe_route/adapters/detail/config_text.hpp>
+
 #include <cstring>
+#include <optional>
 
 #include "reference.hpp"
 
@@ -290,4 +293,52 @@ TEST_CASE("workspace_shape_of gives workspace_bytes as its affine form in N") {
       CHECK(rt::workspace_bytes(c, n, E, sequences) == w.fixed + w.per_value * static_cast<std::size_t>(n + chunks));
     }
   }
+}
+
+TEST_CASE("configuration text: fields, presets and errors (adapters/detail/config_text.hpp)") {
+  namespace text = moe_route::adapters::detail;
+  const rt::router_config c = text::router_config_of(
+      "gating=sigmoid;selection=expert_bias;top_k=6;scaling_factor=2.446;load_balance=0.001;z_loss=1e-05;"
+      "load_balance_scope=sequence;bias_update_rate=0.0001");
+  CHECK(c.gating == rt::gating_kind::sigmoid);
+  CHECK(c.selection == rt::selection_kind::expert_bias);
+  CHECK(c.top_k == 6);
+  CHECK(c.normalize);  // absent: the gating's default (sigmoid normalises)
+  CHECK(c.scaling_factor == 2.446f);
+  CHECK(c.z_loss.coefficient == 1e-05f);
+  CHECK(c.load_balance.over == mr::penalty::load_balance::scope::sequence);
+  CHECK_FALSE(text::router_config_of("gating=softmax;normalize=0").normalize);
+  // the presets read back as the C++ presets
+  const rt::router_config v3 = text::router_config_of(text::preset_of("deepseek_v3").text);
+  CHECK(v3.top_k == mr::presets::deepseek_v3().top_k);
+  CHECK(v3.groups == mr::presets::deepseek_v3().selection.groups);
+  CHECK(v3.scaling_factor == mr::presets::deepseek_v3().scaling_factor);
+  CHECK(text::preset_of("deepseek_v3").num_experts == mr::presets::deepseek_v3_experts);
+  // every admission preset survives its text form bit for bit
+  for (const char* name :
+       {"dropless", "cipher_strict", "cipher_reroute", "locmoe", "capacity_position", "capacity_probs"}) {
+    const rt::admission_config a = text::admission_preset_of(name, 1.25, 3.0, std::nullopt);
+    const rt::admission_config b = text::admission_config_of(text::text_of(a));
+    CHECK(b.dropless == a.dropless);
+    CHECK(b.affinity == a.affinity);
+    CHECK(b.overflow == a.overflow);
+    CHECK(std::memcmp(&b.threshold, &a.threshold, sizeof(float)) == 0);
+    CHECK(b.capacity_factor == a.capacity_factor);
+    CHECK(b.fill_factor == a.fill_factor);
+    CHECK(b.max_rounds == a.max_rounds);
+  }
+  CHECK(text::admission_preset_of("locmoe", 2.0, 4.0, std::nullopt).threshold == 0.01f);
+  CHECK(text::admission_preset_of("cipher_strict", 2.0, 4.0, 0.2f).threshold == 0.2f);
+  CHECK(text::admission_config_of("").dropless);
+  CHECK_THROWS_WITH_AS(text::router_config_of("top_k=2;topk=3"), doctest::Contains("RouterConfig has no field 'topk'"),
+                       mr::error);
+  CHECK_THROWS_WITH_AS(text::router_config_of("top_k=2.5"), doctest::Contains("top_k = '2.5' is not a whole number"),
+                       mr::error);
+  CHECK_THROWS_WITH_AS(text::router_config_of("top_k"), doctest::Contains("'top_k' is not field=value"), mr::error);
+  CHECK_THROWS_WITH_AS(text::router_config_of("normalize=yes"), doctest::Contains("is not a boolean"), mr::error);
+  CHECK_THROWS_WITH_AS(text::admission_config_of("kind=capacity;affinity=distance"),
+                       doctest::Contains("affinity = 'distance' is not one of: position, probability"), mr::error);
+  CHECK_THROWS_WITH_AS(text::admission_preset_of("bounded", 1.0, 4.0, std::nullopt),
+                       doctest::Contains("no admission preset named 'bounded'"), mr::error);
+  CHECK_THROWS_WITH_AS(text::preset_of("gpt5"), doctest::Contains("no preset named 'gpt5'"), mr::error);
 }

@@ -9,6 +9,7 @@
 
 #include <charconv>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -154,11 +155,52 @@ inline runtime::admission_config admission_config_of(std::string_view text) {
   return a;
 }
 
-// A float in the shortest text that reads back to the same bits.
-inline std::string text_of(float v) {
+// A number in the shortest text that reads back to the same bits.
+template <class T>
+std::string text_of(T v) {
   char buffer[32];
   const std::to_chars_result r = std::to_chars(buffer, buffer + sizeof buffer, v);
   return std::string(buffer, r.ptr);
+}
+
+template <class Enum, std::size_t N>
+const char* name_of(Enum e, const std::pair<const char*, Enum> (&names)[N]) {
+  for (const auto& [n, value] : names)
+    if (value == e) return n;
+  return "?";
+}
+
+// The text form of an admission configuration (admission_config_of reads it back).
+inline std::string text_of(const runtime::admission_config& a) {
+  return std::string("kind=") + name_of(a.dropless, admission_kind_names) + ";affinity=" +
+         name_of(a.affinity, affinity_names) + ";overflow=" + name_of(a.overflow, overflow_names) +
+         ";threshold=" + text_of(a.threshold) + ";capacity_factor=" + text_of(a.capacity_factor) +
+         ";min_capacity=" + std::to_string(a.min_capacity) + ";renormalize=" + (a.renormalize ? "1" : "0") +
+         ";fill_factor=" + text_of(a.fill_factor) + ";max_rounds=" + std::to_string(a.max_rounds);
+}
+
+// The admission presets (docs/admission.md) by name: each fixes the affinity,
+// the overflow and, for the cosine ones, a default threshold (CIPHER: 0,
+// LocMoE: 0.01, used when `threshold` is not given; the capacity presets have
+// none); the capacity and fill factors are the caller's.
+inline runtime::admission_config admission_preset_of(std::string_view name, double capacity_factor,
+                                                     double fill_factor, std::optional<float> threshold) {
+  runtime::admission_config a;
+  if (name == "dropless") return a;
+  a.dropless = false;
+  a.capacity_factor = capacity_factor;
+  a.fill_factor = fill_factor;
+  if (name == "cipher_strict" || name == "cipher_reroute" || name == "locmoe") {
+    a.affinity = runtime::affinity_kind::cosine;
+    a.threshold = threshold.value_or(name == "locmoe" ? 0.01f : 0.0f);
+    if (name == "cipher_reroute") a.overflow = runtime::overflow_kind::reroute;
+  } else if (name == "capacity_position" || name == "capacity_probs") {
+    a.affinity = name == "capacity_position" ? runtime::affinity_kind::position : runtime::affinity_kind::probability;
+  } else {
+    fail("no admission preset named '" + std::string(name) +
+         "' (dropless, cipher_strict, cipher_reroute, locmoe, capacity_position, capacity_probs)");
+  }
+  return a;  // checked where it is used (runtime::validate), like any other admission_config
 }
 
 // The published models' routers (presets.hpp) as RouterConfig fields in text
