@@ -130,13 +130,14 @@ def _no_context(ctx, inputs, output):
 for _backward_op in ("moe_route::route_backward", "moe_route::expert_choice_backward"):
     torch.library.register_autograd(_backward_op, _no_double_backward, setup_context=_no_context)
 
-_ROUTE_INPUTS = ("logits", "config", "expert_bias", "prior_bias", "prior_probs", "token_prior_row", "sequence_ids",
+# The route operator's arguments, in schema order.
+ROUTE_INPUTS = ("logits", "config", "expert_bias", "prior_bias", "prior_probs", "token_prior_row", "sequence_ids",
                  "num_sequences", "load_fractions", "expert_rank", "rank", "training", "admission", "hidden_norms",
                  "weight_norms", "group_ids", "num_groups", "capacity", "threads")
 
 
 def _route_setup_context(ctx, inputs, output):
-    a = dict(zip(_ROUTE_INPUTS, inputs))
+    a = dict(zip(ROUTE_INPUTS, inputs))
     _, _, indices, routed_indices, _, _, workspace, _, _ = output
     admitting, ctx.renormalize = _C.admission_flags(a["admission"])
     ctx.save_for_backward(a["logits"], a["expert_bias"], a["prior_bias"], a["prior_probs"], a["token_prior_row"],
@@ -157,7 +158,7 @@ def _route_backward(ctx, grad_gates, grad_values, *grads):
                               prior_bias, prior_probs, token_prior_row, sequence_ids, ctx.num_sequences,
                               load_fractions, expert_rank, ctx.rank, ctx.training, routed_indices, workspace, admitted,
                               ctx.renormalize, ctx.threads)
-    return (grad,) + (None,) * (len(_ROUTE_INPUTS) - 1)
+    return (grad,) + (None,) * (len(ROUTE_INPUTS) - 1)
 
 
 torch.library.register_autograd("moe_route::route", _route_backward, setup_context=_route_setup_context)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import moe_route as mr
-from moe_route._ops import ops
+from moe_route._ops import ROUTE_INPUTS, ops
 
 N, E, K = 24, 12, 3
 
@@ -175,10 +175,7 @@ def test_export_moe_block():
 
 def _bad_route(**changes):
     cfg = changes.pop("cfg", mr.RouterConfig(top_k=K))
-    args = dict(zip(("logits", "config", "expert_bias", "prior_bias", "prior_probs", "token_prior_row", "sequence_ids",
-                     "num_sequences", "load_fractions", "expert_rank", "rank", "training", "admission",
-                     "hidden_norms", "weight_norms", "group_ids", "num_groups", "capacity", "threads"),
-                    _route_args(_logits(), cfg)))
+    args = dict(zip(ROUTE_INPUTS, _route_args(_logits(), cfg)))
     args.update(changes)
     return lambda: ops.route(*args.values())
 
