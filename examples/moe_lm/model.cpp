@@ -15,7 +15,6 @@
 
 #include <moe_route/adapters/torch.hpp>
 #ifdef MOE_LM_WITH_CUDA
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
 #endif
 
@@ -592,15 +591,6 @@ std::vector<torch::Tensor> model::router_weights() const {
   std::vector<torch::Tensor> w;
   for (const auto& m : moes_) w.push_back(m->router_weight);
   return w;
-}
-
-void* current_cuda_stream(const torch::Device& d) {
-#ifdef MOE_LM_WITH_CUDA
-  const c10::impl::DeviceGuardImplInterface* impl = c10::impl::getDeviceGuardImpl(d.type());
-  return impl->getStreamNativeHandle(impl->getStream(d));  // the cudaStream_t
-#else
-  throw std::invalid_argument("moe_lm: no CUDA backend in this build (device " + d.str() + ")");
-#endif
 }
 
 bool cuda_backend_built() {

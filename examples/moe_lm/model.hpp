@@ -185,9 +185,6 @@ class model : public torch::nn::Module {
 // Whether this build routes CUDA tensors with the library's CUDA backend
 // (MOE_LM_WITH_CUDA: built against a CUDA LibTorch with the CUDA runtime instances).
 bool cuda_backend_built();
-// torch's current stream on a CUDA device (a cudaStream_t), where the library's
-// CUDA calls go; throws in a build without the CUDA backend.
-void* current_cuda_stream(const torch::Device& d);
 
 // Weights, buffers (expert biases) and the model_config in one file, always
 // stored from the CPU (a checkpoint loads on any machine); load_model returns

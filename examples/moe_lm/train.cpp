@@ -5,12 +5,12 @@
 #include <cmath>
 #include <stdexcept>
 
-#include <moe_route/penalty/router_l2.hpp>
+// First: the runtime routers come compiled from moe_route::runtime.
+#include <moe_route/runtime/instantiate.hpp>
+
+#include <moe_route/adapters/torch.hpp>
 #include <moe_route/prior/build.hpp>
 #include <moe_route/prior/prepare.hpp>
-#ifdef MOE_LM_WITH_CUDA
-#include <moe_route/runtime/cuda.hpp>
-#endif
 
 namespace moe_lm {
 
@@ -48,34 +48,13 @@ batch on_device(const batch& b, const torch::Device& device) {
   return d;
 }
 
-// penalty::router_l2 over the layers' router weights, adding its gradient to
-// theirs; the library's CUDA call when the weights are on a GPU.
+// Router-L2 over the layers' router weights, its gradient added to theirs
+// (the LibTorch adapter: the library's CPU or CUDA call by the weights' device).
 double router_l2(const model& m, const std::vector<torch::Tensor>& base, float lambda) {
-  std::vector<moe_route::penalty::router_weights> layers;
   const auto weights = m.router_weights();
-  for (std::size_t l = 0; l < weights.size(); ++l) {
-    moe_route::penalty::router_weights w;
-    w.weights = weights[l].data_ptr<float>();
-    w.base = base[l].data_ptr<float>();
-    w.size = weights[l].numel();
-    w.grad = weights[l].mutable_grad().data_ptr<float>();
-    layers.push_back(w);
-  }
-  const moe_route::penalty::router_l2 policy{lambda};
-  if (!m.device().is_cuda()) return policy.apply(layers.data(), static_cast<int>(layers.size()));
-#ifdef MOE_LM_WITH_CUDA
-  const torch::Device d = m.device();
-  const int num_layers = static_cast<int>(layers.size());
-  const std::size_t bytes = moe_route::runtime::cuda::router_l2_workspace_bytes(layers.data(), num_layers);
-  const auto workspace = torch::empty({static_cast<std::int64_t>(bytes)}, torch::TensorOptions().dtype(torch::kUInt8).device(d));
-  const auto value = torch::empty({}, torch::TensorOptions().dtype(torch::kFloat64).device(d));
-  moe_route::runtime::cuda::router_l2(policy, layers.data(), num_layers, value.data_ptr<double>(),
-                                      workspace.data_ptr(), bytes,
-                                      static_cast<moe_route::runtime::cuda::stream_t>(current_cuda_stream(d)));
-  return value.item<double>();
-#else
-  throw std::invalid_argument("router_l2: the weights are on a GPU, but moe_lm was built without its CUDA backend");
-#endif
+  std::vector<torch::Tensor> grads;
+  for (const auto& w : weights) grads.push_back(w.mutable_grad());
+  return moe_route::adapters::router_l2_into(weights, base, lambda, grads).item<double>();
 }
 
 torch::Tensor task_loss(model& m, const batch& b, const torch::Tensor& hidden, const torch::Tensor& positions) {

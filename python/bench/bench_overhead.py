@@ -1,9 +1,11 @@
 """Call overhead of the operator path (issue 15 item 6; docs/performance.md), one
 process, CPU, one thread, interleaved rounds:
 
-  * the decode regime, N in {1, 16, 256} tokens of E = 64 logits, top-6: the whole
-    Python call mr.route (torch.ops.moe_route.route, then .dispatch) and the route
-    operator alone, against a bare torch.topk(z, 6) on the same logits;
+  * the decode regime, N in {1, 16, 256} tokens of E = 64 logits, top-6, against a
+    bare torch.topk(z, 6) on the same logits: the whole Python call
+    mr.select_experts (the inference routing, torch.ops.moe_route.select_experts),
+    the whole Python call mr.route (torch.ops.moe_route.route, then .dispatch),
+    and the route operator alone;
   * N = 16384: the route operator against the direct C++ call of the same router
     (runtime::route with outputs allocated once, _C.direct_route_seconds).
 
@@ -38,12 +40,14 @@ def main():
     cfg = mr.RouterConfig(gating="softmax", top_k=K)
     text = cfg.to_text()
     print(f"torch {torch.__version__}, 1 thread, median of {args.rounds} interleaved rounds (microseconds per call)")
-    print("| N | torch.topk | route operator | mr.route | operator / topk | mr.route / topk |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| N | torch.topk | mr.select_experts | route operator | mr.route | select_experts / topk | "
+          "operator / topk | mr.route / topk |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in (1, 16, 256):
         z = torch.randn(n, E, generator=torch.Generator().manual_seed(n))
         sides = {
             "topk": lambda: torch.topk(z, K),
+            "select": lambda: mr.select_experts(z, cfg),
             "op": lambda: ops.route(z, text, None, None, None, None, None, 0, None, None, 0, True, "", None, None,
                                     None, 1, None, 1),
             "api": lambda: mr.route(z, cfg, threads=1),
@@ -56,8 +60,8 @@ def main():
             for name, fn in sides.items():
                 times[name].append(per_call(fn, calls))
         m = {name: statistics.median(t) for name, t in times.items()}
-        print(f"| {n} | {m['topk']:.2f} | {m['op']:.2f} | {m['api']:.2f} | {m['op'] / m['topk']:.2f} | "
-              f"{m['api'] / m['topk']:.2f} |")
+        print(f"| {n} | {m['topk']:.2f} | {m['select']:.2f} | {m['op']:.2f} | {m['api']:.2f} | "
+              f"{m['select'] / m['topk']:.2f} | {m['op'] / m['topk']:.2f} | {m['api'] / m['topk']:.2f} |")
 
     n = 16384
     z = torch.randn(n, E, generator=torch.Generator().manual_seed(n))

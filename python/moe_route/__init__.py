@@ -7,7 +7,7 @@ import torch  # noqa: F401  (first: it loads the libtorch symbols that _C resolv
 from . import _C, _ops, prior  # noqa: F401  (_ops: the operators' fakes and autograd)
 from .config import GATINGS, PENALTIES, PRIORS, SELECTIONS, Admission, RouterConfig
 from .functional import (Dispatch, ExpertChoiceResult, RouteResult, dispatch, expert_choice, route, router_l2,
-                         update_expert_bias)
+                         select_experts, update_expert_bias)
 from .modules import Router
 
 with_cuda = bool(_C.with_cuda)
@@ -15,4 +15,4 @@ router_max_k = int(_C.router_max_k)
 
 __all__ = ["Admission", "Dispatch", "ExpertChoiceResult", "GATINGS", "PENALTIES", "PRIORS", "Router",
            "RouteResult", "RouterConfig", "SELECTIONS", "dispatch", "expert_choice", "router_max_k", "prior", "route",
-           "router_l2", "update_expert_bias", "with_cuda"]
+           "router_l2", "select_experts", "update_expert_bias", "with_cuda"]

@@ -5,7 +5,8 @@ The fakes give every output its exact shape and dtype from the input shapes and
 the configuration alone, so torch.compile, torch.export and FakeTensorMode
 trace the operators without running them; N may be symbolic. Autograd is
 registered with torch.library for route, expert_choice and router_l2; the
-other operators have no differentiable outputs."""
+other operators have no differentiable outputs (select_experts, whose gates
+have no gradient, refuses differentiable logits in its C++ Autograd kernel)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,14 @@ def _route_fake(logits, config, expert_bias, prior_bias, prior_probs, token_prio
             pair(admitted, torch.int32), pair(admitted, torch.float32), pair(admitted, torch.int8),
             _empty((workspace,), torch.uint8, logits),
             _empty((), torch.int64, logits), _empty((len(ADMISSION_REPORT),), torch.int64, logits))
+
+
+@torch.library.register_fake("moe_route::select_experts")
+def _select_experts_fake(logits, config, expert_bias, threads):
+    _on_device_of(logits, "logits", expert_bias=expert_bias)
+    top_k = _C.route_shape(config, int(logits.shape[1]), 0)[0]
+    return (_empty((logits.shape[0], top_k), torch.float32, logits),
+            _empty((logits.shape[0], top_k), torch.int32, logits))
 
 
 @torch.library.register_fake("moe_route::route_backward")

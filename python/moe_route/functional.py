@@ -1,10 +1,11 @@
 """Functional ops with autograd: route (with admission and dispatch metadata),
-expert_choice, router_l2 and the expert-bias update."""
+expert_choice, router_l2 and the expert-bias update; select_experts, the
+inference routing of a decode step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -152,6 +153,22 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
         routed_indices, routed_gates = indices, gates.detach()
     return RouteResult(indices, gates, routed_indices, routed_gates, status if admitting else None, values, meta,
                        nonfinite, counts if admitting else None)
+
+
+_select_experts = ops.select_experts.default
+
+
+def select_experts(logits: Tensor, config: RouterConfig, *, expert_bias: Optional[Tensor] = None,
+                   threads: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """Inference routing, the decode path (torch.ops.moe_route.select_experts):
+    (gates [N, K] float32, indices [N, K] int32) of logits [N, E] float32,
+    bfloat16 or float16 -- the gates and indices route(..., training=False)
+    gives, with nothing else computed. For calls under torch.no_grad() or
+    torch.inference_mode(): its gates have no gradient, so it refuses logits
+    that require one (use route to train)."""
+    if not isinstance(config, RouterConfig):
+        raise TypeError(f"moe_route: config must be a RouterConfig, got {type(config).__name__}")
+    return _select_experts(logits, config.to_text(), expert_bias, _default_threads() if threads is None else threads)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from torch import nn
 
 from . import prior as _prior
 from .config import Admission, RouterConfig
-from .functional import RouteResult, route, update_expert_bias
+from .functional import RouteResult, route, select_experts, update_expert_bias
 
 
 class Router(nn.Module):
@@ -62,3 +62,10 @@ class Router(nn.Module):
             kwargs.setdefault("weight_norms", self.weight.detach().float().norm(dim=1))
         return route(logits, self.config, training=self.training, expert_bias=self.expert_bias,
                      prior_bias=self.prior_bias, prior_probs=self.prior_probs, admission=self.admission, **kwargs)
+
+    def select_experts(self, hidden: torch.Tensor):
+        """Inference routing of hidden states [..., d] (moe_route.select_experts):
+        (gates [N, K] float32, indices [N, K] int32), as forward() in eval mode
+        gives them. Call under torch.no_grad() or torch.inference_mode()."""
+        logits = nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), self.weight)
+        return select_experts(logits, self.config, expert_bias=self.expert_bias)

@@ -34,7 +34,7 @@ namespace {
 using tensor = at::Tensor;
 using optional_tensor = std::optional<at::Tensor>;
 
-int threads_of(std::int64_t threads) { return static_cast<int>(threads); }
+int threads_of(std::int64_t threads) { return ad::detail::int_of(threads, "threads"); }
 
 ad::route_tensors route_tensors_of(const tensor& logits, const optional_tensor& expert_bias,
                                    const optional_tensor& prior_bias, const optional_tensor& prior_probs,
@@ -48,10 +48,10 @@ ad::route_tensors route_tensors_of(const tensor& logits, const optional_tensor& 
   t.prior_probs = prior_probs;
   t.token_prior_row = token_prior_row;
   t.sequence_ids = sequence_ids;
-  t.num_sequences = static_cast<std::int32_t>(num_sequences);
+  t.num_sequences = ad::detail::int_of(num_sequences, "num_sequences");
   t.load_fractions = load_fractions;
   t.expert_rank = expert_rank;
-  t.rank = static_cast<std::int32_t>(rank);
+  t.rank = ad::detail::int_of(rank, "rank");
   t.training = training;
   return t;
 }
@@ -63,7 +63,7 @@ ad::admission_tensors admission_tensors_of(const optional_tensor& hidden_norms, 
   t.hidden_norms = hidden_norms;
   t.weight_norms = weight_norms;
   t.group_ids = group_ids;
-  t.num_groups = static_cast<int>(num_groups);
+  t.num_groups = ad::detail::int_of(num_groups, "num_groups");
   t.capacity = capacity;
   return t;
 }
@@ -115,6 +115,28 @@ std::tuple<tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, tenso
           r.nonfinite_rows, r.admission_report};
 }
 
+std::tuple<tensor, tensor> select_experts(const tensor& logits, c10::string_view config,
+                                         const optional_tensor& expert_bias, std::int64_t threads) {
+  const ad::selection_result r = ad::select_experts(router_config_of(config), logits, expert_bias, threads_of(threads));
+  return {r.gates, r.indices};
+}
+
+// The Autograd kernel of select_experts: its gates are not differentiable, so
+// a call that autograd would record is refused rather than given gates that
+// silently get no gradient.
+std::tuple<tensor, tensor> select_experts_autograd(const tensor& logits, c10::string_view config,
+                                                  const optional_tensor& expert_bias, std::int64_t threads) {
+  if (at::GradMode::is_enabled() && logits.requires_grad())
+    ad::detail::value_error(
+        "select_experts is inference routing and its gates have no gradient, but logits requires grad: call it under "
+        "torch.no_grad() / torch.inference_mode(), or use route() for training");
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("moe_route::select_experts", "")
+                             .typed<decltype(select_experts)>();
+  return op.call(logits, config, expert_bias, threads);
+}
+
 tensor route_backward(const tensor& grad_gates, const tensor& grad_penalties, const tensor& logits,
                       c10::string_view config, const optional_tensor& expert_bias, const optional_tensor& prior_bias,
                       const optional_tensor& prior_probs, const optional_tensor& token_prior_row,
@@ -147,8 +169,9 @@ std::tuple<tensor, tensor, tensor, tensor> admit(const tensor& logits, c10::stri
 std::tuple<tensor, tensor, tensor, tensor, tensor> dispatch(const tensor& indices, std::int64_t num_experts,
                                                             std::int64_t align, std::int64_t num_ranks,
                                                             const optional_tensor& expert_rank) {
-  const ad::dispatch_result r = ad::dispatch(indices, static_cast<int>(num_experts), static_cast<int>(align),
-                                             static_cast<int>(num_ranks), expert_rank);
+  const ad::dispatch_result r = ad::dispatch(indices, ad::detail::int_of(num_experts, "num_experts"),
+                                             ad::detail::int_of(align, "align"),
+                                             ad::detail::int_of(num_ranks, "num_ranks"), expert_rank);
   return {r.counts, r.offsets, r.permutation, r.inverse, r.rank_counts};
 }
 
@@ -158,11 +181,12 @@ std::tuple<tensor, tensor, tensor, tensor> expert_choice(const tensor& logits, s
                                                          const optional_tensor& group_ids, std::int64_t num_groups,
                                                          const optional_tensor& capacity, std::int64_t threads) {
   moe_route::selection::expert_choice p;
-  p.top_k = static_cast<int>(top_k);
+  p.top_k = ad::detail::int_of(top_k, "top_k");
   p.capacity_factor = capacity_factor;
   p.min_capacity = min_capacity;
   const ad::expert_choice_result r =
-      ad::expert_choice(p, logits, group_ids, static_cast<int>(num_groups), capacity, threads_of(threads));
+      ad::expert_choice(p, logits, group_ids, ad::detail::int_of(num_groups, "num_groups"), capacity,
+                        threads_of(threads));
   return {r.gates, r.indices, r.experts_per_token, r.report};
 }
 
@@ -265,6 +289,7 @@ TORCH_LIBRARY(moe_route, m) {
       "Tensor? group_ids, int num_groups, Tensor? capacity, int threads) -> (Tensor gates, Tensor penalty_values, "
       "Tensor indices, Tensor routed_indices, Tensor routed_gates, Tensor status, Tensor workspace, "
       "Tensor nonfinite_rows, Tensor admission_report)");
+  m.def("select_experts(Tensor logits, str config, Tensor? expert_bias, int threads) -> (Tensor gates, Tensor indices)");
   m.def(
       "route_backward(Tensor grad_gates, Tensor grad_penalties, Tensor logits, str config, Tensor? expert_bias, "
       "Tensor? prior_bias, Tensor? prior_probs, Tensor? token_prior_row, Tensor? sequence_ids, int num_sequences, "
@@ -288,10 +313,13 @@ TORCH_LIBRARY(moe_route, m) {
   m.def("expert_bias_update(Tensor(a!) expert_bias, Tensor loads, float rate) -> ()");
 }
 
+TORCH_LIBRARY_IMPL(moe_route, Autograd, m) { m.impl("select_experts", &select_experts_autograd); }
+
 // One set of kernels serves both devices: the adapter picks the backend from
 // the tensors' device.
 static void kernels(torch::Library& m) {
   m.impl("route", &route);
+  m.impl("select_experts", &select_experts);
   m.impl("route_backward", &route_backward);
   m.impl("admit", &admit);
   m.impl("dispatch", &dispatch);

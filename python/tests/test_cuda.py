@@ -284,23 +284,54 @@ def test_bad_device_arguments(gen):
     with pytest.raises(ValueError, match="group_ids is on cpu"):
         mr.route(z, mr.RouterConfig(), admission=mr.Admission.capacity_probs(1.0),
                  group_ids=torch.zeros(n, dtype=torch.int32), num_groups=1)
-    with pytest.raises(ValueError, match="group id outside"):
-        mr.route(z, mr.RouterConfig(), admission=mr.Admission.capacity_probs(1.0),
-                 group_ids=torch.full((n,), 5, dtype=torch.int32, device=DEV), num_groups=2)
     with pytest.raises(ValueError, match="rows must be -1 or in"):
         mr.prior.build(z, torch.full((n,), 9, device=DEV), 3)
+
+
+def test_bad_values_are_dropped_and_counted_on_the_device(gen):
+    """Where the CPU raises for a bad group id, the device drops the slots and
+    counts them (docs/gpu.md): raising would wait for the stream."""
+    n, e, k = 10, 8, 2
+    z = randn(n, e, gen=gen)
+    bad_groups = torch.full((n,), 5, dtype=torch.int32)
+    admission = mr.Admission.capacity_probs(1.0)
+    with pytest.raises(ValueError, match="group_ids"):
+        mr.route(z, mr.RouterConfig(top_k=k), admission=admission, group_ids=bad_groups, num_groups=2)
+    res = mr.route(z.to(DEV), mr.RouterConfig(top_k=k), admission=admission, group_ids=bad_groups.to(DEV),
+                   num_groups=2)
+    assert res.admission_report["invalid"] == n * k
+    assert (res.indices == -1).all() and (res.status == 1).all()
+    with pytest.raises(ValueError, match="group_ids"):
+        mr.expert_choice(z, group_ids=bad_groups, num_groups=2)
+    assert mr.expert_choice(z.to(DEV), group_ids=bad_groups.to(DEV), num_groups=2).report["invalid"] == n
+
+
+def test_select_experts_equals_cpu_and_eval_route(gen):
+    for preset in ("deepseek_v3", "mixtral", "qwen3"):
+        cfg = mr.RouterConfig.preset(preset)
+        e = mr.RouterConfig.preset_experts(preset)
+        z = randn(37, e, gen=gen)
+        bias = torch.randn(e, generator=gen) if cfg.uses_expert_bias else None
+        cpu = mr.select_experts(z, cfg, expert_bias=bias)
+        gpu = mr.select_experts(z.to(DEV), cfg, expert_bias=to(bias, DEV))
+        ref = mr.route(z.to(DEV), cfg, training=False, expert_bias=to(bias, DEV), num_ranks=1)
+        for got, want in zip(gpu, cpu):
+            assert same_bits(got, want)
+        assert same_bits(gpu[0], ref.gates) and same_bits(gpu[1], ref.indices)
 
 
 # ---------------------------------------------------------------------------
 # No host synchronisation, and CUDA-graph capture (issue 15, item 4).
 
 _STEP_CONFIG = mr.RouterConfig(gating="softmax", top_k=4, load_balance=1e-2, z_loss=1e-3)
+_STEP_ADMISSION = mr.Admission.capacity_probs(1.25)
 
 
 def _training_step(z, w):
-    res = mr.route(z, _STEP_CONFIG, num_ranks=1)
+    res = mr.route(z, _STEP_CONFIG, admission=_STEP_ADMISSION, num_ranks=1)
     (grad,) = torch.autograd.grad((res.gates * w).sum() + res.aux_loss, z)
-    return res.indices, res.gates.detach(), res.penalty_values.detach(), res.dispatch.permutation, grad
+    return (res.indices, res.gates.detach(), res.penalty_values.detach(), res.dispatch.permutation,
+            res.admission_counts, grad)
 
 
 def test_training_step_does_not_synchronise():
@@ -335,3 +366,25 @@ def test_cuda_graph_replay_equals_eager():
     eager = _training_step(fresh.clone().requires_grad_(True), w)
     for got, want in zip(captured, eager):
         assert same_bits(got, want)
+
+
+def test_decode_step_captured_equals_eager():
+    """select_experts, the decode path, in a captured graph (as vLLM and SGLang capture decode)."""
+    cfg = mr.RouterConfig.preset("deepseek_v3")
+    e = mr.RouterConfig.preset_experts("deepseek_v3")
+    static_z, bias = randn(16, e).cuda(), randn(e).cuda()
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            mr.select_experts(static_z, cfg, expert_bias=bias)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = mr.select_experts(static_z, cfg, expert_bias=bias)
+        fresh = randn(16, e, scale=2.0).cuda()
+        static_z.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, mr.select_experts(fresh, cfg, expert_bias=bias)):
+            assert same_bits(got, want)

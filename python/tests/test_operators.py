@@ -204,6 +204,9 @@ BAD_ROUTE = [
     (dict(admission=mr.Admission.cipher_strict(0.1).to_text(), hidden_norms=torch.ones(N - 1),
           weight_norms=torch.ones(E)), ValueError, r"hidden_norms must have shape \[24\]"),
     (dict(admission=mr.Admission.capacity_probs(1.0).to_text(), num_groups=0), ValueError, "num_groups must be >= 1"),
+    (dict(num_sequences=2**31), ValueError, r"num_sequences \(= 2147483648\) is outside the int32 range"),
+    (dict(rank=-2**31 - 1), ValueError, r"rank \(= -2147483649\) is outside the int32 range"),
+    (dict(threads=2**40), ValueError, r"threads \(= 1099511627776\) is outside the int32 range"),
     (dict(logits=_logits().to("meta"), expert_bias=torch.zeros(E),
           cfg=mr.RouterConfig(selection="expert_bias", top_k=K)), ValueError, "expert_bias is on cpu, but logits is on meta"),
 ]
@@ -229,6 +232,17 @@ def test_other_operators_reject_bad_input():
         ops.dispatch(routed, E, 0, 1, None)
     with pytest.raises(ValueError, match="num_ranks must be >= 1"):
         ops.dispatch(routed, E, 1, 0, None)
+    # Integer arguments that do not fit the library's int are refused, not wrapped (2**32 + 12 would be 12).
+    with pytest.raises(ValueError, match=r"num_experts \(= 4294967308\) is outside the int32 range"):
+        ops.dispatch(routed, 2**32 + E, 1, 1, None)
+    with pytest.raises(ValueError, match=r"align \(= 4294967297\) is outside the int32 range"):
+        ops.dispatch(routed, E, 2**32 + 1, 1, None)
+    with pytest.raises(ValueError, match=r"num_experts \(= 5000\) must be in \[1, 4096\]"):
+        ops.dispatch(routed, 5000, 1, 1, None)
+    with pytest.raises(ValueError, match=r"top_k \(= 4294967298\) is outside the int32 range"):
+        ops.expert_choice(z, 2**32 + 2, 1.0, 0, None, 1, None, 1)
+    with pytest.raises(ValueError, match=r"num_groups \(= -4294967295\) is outside the int32 range"):
+        ops.admit(z, cfg, "kind=capacity", routed, gates, None, None, None, 1 - 2**32, None, 1)
     with pytest.raises(ValueError, match=r"indices\[0\]"):
         ops.dispatch(torch.full((2, 2), E, dtype=torch.int32), E, 1, 1, None)
     with pytest.raises(ValueError, match=r"group_ids must have shape \[24\]"):

@@ -10,8 +10,9 @@
 // runtime::cuda on torch's current stream of their device when this header is
 // compiled with MOE_ROUTE_TORCH_WITH_CUDA and linked with
 // moe_route::cuda_runtime; nothing in the routing, backward or dispatch calls
-// waits for the device (the admission and expert-choice calls read one
-// invalid-input counter back; docs/python.md).
+// waits for the device: input values the CPU rejects are handled on the
+// device as docs/gpu.md says (admission and expert choice count them in their
+// reports' "invalid" counter).
 //
 // Configurations come as runtime::router_config / admission_config, or in
 // text form (detail/config_text.hpp: router_config_of, admission_config_of).
@@ -127,8 +128,11 @@ struct checked_admission {
   }
 };
 
-// Admits routed [N, K] into (indices, gates, status, report); the report is
-// read back on CUDA only when it counted invalid inputs the CPU rejects.
+// Admits routed [N, K] into (indices, gates, status, report). The CPU
+// rejects a routed index outside [0, E), a group id outside [0, num_groups)
+// and (cosine) a norm that is not finite and > 0 before admitting; the device,
+// which would have to wait to raise, drops those slots and counts them in
+// report[7] ("invalid").
 inline void admit_into(const runtime::router_config& c, const runtime::admission_config& a, const placement& where,
                        const at::Tensor& logits, const at::Tensor& routed, const at::Tensor& routed_gates,
                        const admission_tensors& t, int threads, at::Tensor& indices, at::Tensor& gates,
@@ -162,12 +166,6 @@ inline void admit_into(const runtime::router_config& c, const runtime::admission
     out.report = report_data<admission_report>(report);
     runtime::cuda::admit(c, a, in, out, workspace.data_ptr(), bytes,
                          static_cast<runtime::cuda::stream_t>(current_stream(where)));
-    // The CPU backend rejects these inputs before admitting; the device drops their slots and counts them.
-    const std::int64_t invalid = report[7].item<std::int64_t>();
-    if (invalid > 0)
-      value_error("admit: " + std::to_string(invalid) +
-                  " slots had a routed index outside [0, E), a group id outside [0, num_groups) or (cosine) a "
-                  "norm that is not finite and > 0");
     return;
   }
 #endif
@@ -176,6 +174,60 @@ inline void admit_into(const runtime::router_config& c, const runtime::admission
 
 }  // namespace detail
 
+struct selection_result {
+  at::Tensor gates, indices;  // [N, K] float32, int32
+};
+
+namespace detail {
+inline void check_top_k(const runtime::router_config& c, int num_experts) {
+  if (c.top_k > num_experts)
+    value_error("top_k (= " + std::to_string(c.top_k) + ") exceeds the number of experts (= " +
+                std::to_string(num_experts) + ")");
+}
+}  // namespace detail
+
+// Inference routing, the decode path of an engine: route() in evaluation mode
+// (no prior, no penalties; docs/policies.md section 4), the same gates and
+// indices, and nothing else computed or allocated. 16-bit logits are widened
+// exactly, as route() does.
+inline selection_result select_experts(const runtime::router_config& c, const at::Tensor& logits,
+                                       const std::optional<at::Tensor>& expert_bias, int threads) {
+  return detail::translating_errors([&] {
+    const detail::placement where = detail::placement_of(logits, "logits");
+    const bool half = logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kHalf;
+    const at::Tensor z = detail::logits_of(half ? logits.to(at::kFloat) : logits, where);
+    const auto bias = detail::checked(expert_bias, "expert_bias", at::kFloat, {z.size(1)}, where);
+    route_inputs<float> in;
+    in.logits = z.data_ptr<float>();
+    in.num_tokens = z.size(0);
+    in.num_experts = static_cast<int>(z.size(1));
+    in.expert_bias = detail::data_of<float>(bias);
+    in.mode = mode::eval;
+    detail::check_top_k(c, in.num_experts);
+    selection_result r{at::empty({in.num_tokens, c.top_k}, where.options(at::kFloat)),
+                       at::empty({in.num_tokens, c.top_k}, where.options(at::kInt))};
+    route_outputs out{r.indices.data_ptr<std::int32_t>(), r.gates.data_ptr<float>()};
+#ifdef MOE_ROUTE_TORCH_WITH_CUDA
+    if (where.cuda()) {
+      const c10::DeviceGuard guard(where.device);
+      // One scratch block: the neutral inputs (from the allocator's aligned start), then the penalty values
+      // route zeroes in evaluation mode.
+      const std::size_t neutral_bytes = runtime::cuda::neutral_bytes(c, in);
+      const std::size_t values_at = (neutral_bytes + alignof(double) - 1) / alignof(double) * alignof(double);
+      const at::Tensor scratch = detail::bytes_on(values_at + sizeof(double) * runtime::num_penalties, where);
+      out.penalty_values = reinterpret_cast<double*>(scratch.data_ptr<std::uint8_t>() + values_at);
+      runtime::cuda::route(c, in, out, scratch.data_ptr(), neutral_bytes,
+                           static_cast<runtime::cuda::stream_t>(detail::current_stream(where)));
+      return r;
+    }
+#endif
+    double values[runtime::num_penalties];
+    out.penalty_values = values;
+    runtime::route(c, in, out, cpu::execution{threads});
+    return r;
+  });
+}
+
 // Routes, then admits unless `a` is dropless (then the report is zero).
 inline route_result route(const runtime::router_config& c, const runtime::admission_config& a, const route_tensors& t,
                           const admission_tensors& admission, int threads) {
@@ -183,9 +235,7 @@ inline route_result route(const runtime::router_config& c, const runtime::admiss
     const detail::checked_route call(t);
     const detail::placement& where = call.where;
     const std::int64_t n = call.in.num_tokens;
-    if (c.top_k > call.in.num_experts)
-      detail::value_error("top_k (= " + std::to_string(c.top_k) + ") exceeds the number of experts (= " +
-                          std::to_string(call.in.num_experts) + ")");
+    detail::check_top_k(c, call.in.num_experts);
     route_result r;
     r.indices = at::empty({n, c.top_k}, where.options(at::kInt));
     r.gates = at::empty({n, c.top_k}, where.options(at::kFloat));
@@ -308,7 +358,9 @@ inline dispatch_result dispatch(const at::Tensor& indices, int num_experts, int 
                                 const std::optional<at::Tensor>& expert_rank) {
   return detail::translating_errors([&] {
     const detail::placement where = detail::placement_of(indices, "indices");
-    if (num_experts < 1) detail::value_error("num_experts must be >= 1, got " + std::to_string(num_experts));
+    if (num_experts < 1 || num_experts > max_experts)
+      detail::value_error("num_experts (= " + std::to_string(num_experts) + ") must be in [1, " +
+                          std::to_string(max_experts) + "]");
     if (align < 1) detail::value_error("align must be >= 1, got " + std::to_string(align));
     if (num_ranks < 1) detail::value_error("num_ranks must be >= 1, got " + std::to_string(num_ranks));
     const at::Tensor idx = detail::checked(indices, "indices", at::kInt, {-1, -1}, where);
@@ -370,6 +422,9 @@ inline expert_choice_inputs<float> expert_choice_inputs_of(const at::Tensor& z, 
 }
 }  // namespace detail
 
+// Expert choice (selection/expert_choice.hpp). The CPU rejects a group id
+// outside [0, num_groups); the device leaves those tokens out and counts them
+// in report[3] ("invalid") rather than wait to raise.
 inline expert_choice_result expert_choice(const selection::expert_choice& p, const at::Tensor& logits,
                                           const std::optional<at::Tensor>& group_ids, int num_groups,
                                           const std::optional<at::Tensor>& capacity, int threads) {
@@ -397,11 +452,6 @@ inline expert_choice_result expert_choice(const selection::expert_choice& p, con
       out.report = detail::report_data<expert_choice_report>(r.report);
       runtime::cuda::expert_choice(p, in, out, workspace.data_ptr(), bytes,
                                    static_cast<runtime::cuda::stream_t>(detail::current_stream(where)));
-      // The CPU backend rejects these group ids before choosing; the device leaves their tokens out and counts them.
-      const std::int64_t invalid = r.report[3].item<std::int64_t>();
-      if (invalid > 0)
-        detail::value_error("expert_choice: " + std::to_string(invalid) +
-                            " tokens had a group id outside [0, num_groups)");
       return r;
     }
 #endif
@@ -441,41 +491,63 @@ struct router_l2_result {
   std::vector<at::Tensor> grads;  // dvalue/dW_l, float32, shaped as the weights
 };
 
-// Router-L2 over layers (penalty/router_l2.hpp).
-inline router_l2_result router_l2(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& base,
-                                  double coefficient) {
+// Router-L2 over layers (penalty/router_l2.hpp): its value (float64 [] on the
+// weights' device), its gradient added to grads[l] (float32, contiguous, shaped
+// as weights[l]; a training loop passes the weights' .grad), as the library's
+// policy accumulates.
+inline at::Tensor router_l2_into(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& base,
+                                 double coefficient, const std::vector<at::Tensor>& grads) {
   return detail::translating_errors([&] {
-    if (weights.size() != base.size())
-      detail::value_error("router_l2: weights and base must list the same number of layers, got " +
-                          std::to_string(weights.size()) + " and " + std::to_string(base.size()));
+    if (weights.size() != base.size() || weights.size() != grads.size())
+      detail::value_error("router_l2: weights, base and grads must list the same number of layers, got " +
+                          std::to_string(weights.size()) + ", " + std::to_string(base.size()) + " and " +
+                          std::to_string(grads.size()));
     if (weights.empty()) detail::value_error("router_l2: weights must list at least one layer");
     const detail::placement where = detail::placement_of(weights[0], "router_l2: layer 0 weights");
     std::vector<at::Tensor> w, w0;
-    router_l2_result r;
     std::vector<penalty::router_weights> layers;
     for (std::size_t l = 0; l < weights.size(); ++l) {
       const std::string name = "router_l2: layer " + std::to_string(l) + " ";
       w.push_back(detail::checked(weights[l], name + "weights", at::kFloat,
                                   std::vector<std::int64_t>(static_cast<std::size_t>(weights[l].dim()), -1), where));
       w0.push_back(detail::checked(base[l], name + "base", at::kFloat, weights[l].sizes().vec(), where));
-      r.grads.push_back(at::zeros_like(w.back()));
+      // Written in place, so no copy: it must already be what the policy writes.
+      const at::Tensor g = detail::checked(grads[l], name + "grads", at::kFloat, weights[l].sizes().vec(), where);
+      if (!g.is_same(grads[l])) detail::value_error(name + "grads must be contiguous: the gradient is added in place");
       layers.push_back({w.back().data_ptr<float>(), w0.back().data_ptr<float>(), w.back().numel(),
-                        r.grads.back().data_ptr<float>()});
+                        g.data_ptr<float>()});
     }
     const penalty::router_l2 policy{static_cast<float>(coefficient)};
-    r.value = at::empty({}, where.options(at::kDouble));
+    at::Tensor value = at::empty({}, where.options(at::kDouble));
 #ifdef MOE_ROUTE_TORCH_WITH_CUDA
     if (where.cuda()) {
       const c10::DeviceGuard guard(where.device);
       const int num_layers = static_cast<int>(layers.size());
       const std::size_t bytes = runtime::cuda::router_l2_workspace_bytes(layers.data(), num_layers);
       const at::Tensor workspace = detail::bytes_on(bytes, where);
-      runtime::cuda::router_l2(policy, layers.data(), num_layers, r.value.data_ptr<double>(), workspace.data_ptr(),
+      runtime::cuda::router_l2(policy, layers.data(), num_layers, value.data_ptr<double>(), workspace.data_ptr(),
                                bytes, static_cast<runtime::cuda::stream_t>(detail::current_stream(where)));
-      return r;
+      return value;
     }
 #endif
-    r.value.fill_(policy.apply(layers.data(), static_cast<int>(layers.size())));
+    value.fill_(policy.apply(layers.data(), static_cast<int>(layers.size())));
+    return value;
+  });
+}
+
+// Router-L2 over layers, with its gradient in fresh tensors.
+inline router_l2_result router_l2(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& base,
+                                  double coefficient) {
+  return detail::translating_errors([&] {
+    if (weights.size() != base.size())
+      detail::value_error("router_l2: weights and base must list the same number of layers, got " +
+                          std::to_string(weights.size()) + " and " + std::to_string(base.size()));
+    router_l2_result r;
+    for (std::size_t l = 0; l < weights.size(); ++l) {
+      if (!weights[l].defined()) detail::value_error("router_l2: layer " + std::to_string(l) + " weights is undefined");
+      r.grads.push_back(at::zeros(weights[l].sizes(), weights[l].options().dtype(at::kFloat)));
+    }
+    r.value = router_l2_into(weights, base, coefficient, r.grads);
     return r;
   });
 }

@@ -31,6 +31,14 @@ decltype(auto) translating_errors(F&& f) {
   }
 }
 
+// An integer argument of an operator schema (int64) as the library's int,
+// refused when it does not fit rather than wrapped.
+inline int int_of(std::int64_t value, const char* name) {
+  if (value < INT32_MIN || value > INT32_MAX)
+    value_error(std::string(name) + " (= " + std::to_string(value) + ") is outside the int32 range");
+  return static_cast<int>(value);
+}
+
 inline std::string shape_of(const at::Tensor& t) {
   std::string s = "[";
   for (std::int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
