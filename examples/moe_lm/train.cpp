@@ -176,11 +176,10 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
     if (o.update_expert_bias)
       for (const auto& layer : m.moe_layers())
         if (rt::selection_uses_bias(layer->router.selection)) {
-          // The host policy on a host copy (E floats) when the bias lives on a GPU: the same bits.
-          torch::Tensor bias = layer->expert_bias.cpu();
-          moe_route::selection::expert_bias{layer->router.bias_update_rate}.update(
-              bias.data_ptr<float>(), layer->last.routed_counts.data(), static_cast<int>(bias.numel()));
-          if (!layer->expert_bias.is_cpu()) layer->expert_bias.copy_(bias);
+          // In place on the bias's device (the adapter; the host update's bits on either).
+          const auto loads = torch::tensor(layer->last.routed_counts, torch::kInt64);
+          moe_route::adapters::expert_bias_update(layer->expert_bias, loads.to(layer->expert_bias.device()),
+                                                  layer->router.bias_update_rate);
         }
     log.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     for (std::size_t l = 0; l < m.moe_layers().size(); ++l) {
