@@ -189,7 +189,7 @@ inline void check_top_k(const runtime::router_config& c, int num_experts) {
 // Inference routing, the decode path of an engine: route() in evaluation mode
 // (no prior, no penalties; docs/policies.md section 4), the same gates and
 // indices, and nothing else computed or allocated. 16-bit logits are widened
-// exactly, as route() does.
+// exactly here (route() takes float32; mr.route widens them in Python).
 inline selection_result select_experts(const runtime::router_config& c, const at::Tensor& logits,
                                        const std::optional<at::Tensor>& expert_bias, int threads) {
   return detail::translating_errors([&] {
