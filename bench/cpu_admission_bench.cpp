@@ -4,8 +4,8 @@
 // expert choice, at N in {4096, 65536} tokens and (E, K) in {(64, 6), (256, 8)},
 // 1 and 2 threads:
 //   library   cpu::route (DeepSeek-V2-Lite's router: softmax top-K, no
-//             normalisation, the Megatron default for which the "probs" rank
-//             is the score s), cpu::admit with the preset, cpu::dispatch
+//             normalisation, Megatron's moe_router_pre_softmax=True, for which
+//             the "probs" rank is the score s), cpu::admit with the preset, cpu::dispatch
 //             (align 16, 8 ranks); expert choice: cpu::expert_choice then
 //             cpu::dispatch with S = E;
 //   LibTorch  the same composed from operators in this process
