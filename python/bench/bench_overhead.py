@@ -5,7 +5,8 @@ process, CPU, one thread, interleaved rounds:
     bare torch.topk(z, 6) on the same logits: the whole Python call
     mr.select_experts (the inference routing, torch.ops.moe_route.select_experts),
     the whole Python call mr.route (torch.ops.moe_route.route, then .dispatch),
-    and the route operator alone;
+    and the route operator alone, on logits without and with requires_grad
+    (the training call, which records the autograd node);
   * N = 16384: the route operator against the direct C++ call of the same router
     (runtime::route with outputs allocated once, _C.direct_route_seconds).
 
@@ -40,16 +41,19 @@ def main():
     cfg = mr.RouterConfig(gating="softmax", top_k=K)
     text = cfg.to_text()
     print(f"torch {torch.__version__}, 1 thread, median of {args.rounds} interleaved rounds (microseconds per call)")
-    print("| N | torch.topk | mr.select_experts | route operator | mr.route | select_experts / topk | "
-          "operator / topk | mr.route / topk |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| N | torch.topk | mr.select_experts | route operator | route operator, grad | mr.route | "
+          "select_experts / topk | operator / topk | operator, grad / topk | mr.route / topk |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    route_op = lambda z: ops.route(z, text, None, None, None, None, None, 0, None, None, 0, True, "",  # noqa: E731
+                                   None, None, None, 1, None, 1)
     for n in (1, 16, 256):
         z = torch.randn(n, E, generator=torch.Generator().manual_seed(n))
+        z_grad = z.clone().requires_grad_()
         sides = {
             "topk": lambda: torch.topk(z, K),
             "select": lambda: mr.select_experts(z, cfg),
-            "op": lambda: ops.route(z, text, None, None, None, None, None, 0, None, None, 0, True, "", None, None,
-                                    None, 1, None, 1),
+            "op": lambda: route_op(z),
+            "op_grad": lambda: route_op(z_grad),
             "api": lambda: mr.route(z, cfg, threads=1),
         }
         calls = 20000 if n < 256 else 5000
@@ -60,15 +64,15 @@ def main():
             for name, fn in sides.items():
                 times[name].append(per_call(fn, calls))
         m = {name: statistics.median(t) for name, t in times.items()}
-        print(f"| {n} | {m['topk']:.2f} | {m['select']:.2f} | {m['op']:.2f} | {m['api']:.2f} | "
-              f"{m['select'] / m['topk']:.2f} | {m['op'] / m['topk']:.2f} | {m['api'] / m['topk']:.2f} |")
+        print(f"| {n} | {m['topk']:.2f} | {m['select']:.2f} | {m['op']:.2f} | {m['op_grad']:.2f} | {m['api']:.2f} | "
+              f"{m['select'] / m['topk']:.2f} | {m['op'] / m['topk']:.2f} | {m['op_grad'] / m['topk']:.2f} | "
+              f"{m['api'] / m['topk']:.2f} |")
 
     n = 16384
     z = torch.randn(n, E, generator=torch.Generator().manual_seed(n))
     op_times, direct_times = [], []
     for _ in range(args.rounds):
-        op_times.append(per_call(lambda: ops.route(z, text, None, None, None, None, None, 0, None, None, 0, True, "",
-                                                   None, None, None, 1, None, 1), 20))
+        op_times.append(per_call(lambda: route_op(z), 20))
         direct_times.append(mr._C.direct_route_seconds(text, z, 20, 1) * 1e6)
     op, direct = statistics.median(op_times), statistics.median(direct_times)
     print(f"\nN = {n}: route operator {op:.1f} us, direct C++ call {direct:.1f} us, operator / direct {op / direct:.3f}")

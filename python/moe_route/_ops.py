@@ -3,10 +3,11 @@ moe_route._C registers (torch.ops.moe_route.*; schemas in python/src/bindings.cp
 
 The fakes give every output its exact shape and dtype from the input shapes and
 the configuration alone, so torch.compile, torch.export and FakeTensorMode
-trace the operators without running them; N may be symbolic. Autograd is
-registered with torch.library for route, expert_choice and router_l2; the
-other operators have no differentiable outputs (select_experts, whose gates
-have no gradient, refuses differentiable logits in its C++ Autograd kernel)."""
+trace the operators without running them; N may be symbolic. route,
+expert_choice and their backward operators have C++ Autograd kernels (a
+double backward raises), and select_experts, whose gates have no gradient,
+refuses differentiable logits in its own; router_l2's formula is registered
+here with torch.library. The other operators have no differentiable outputs."""
 
 from __future__ import annotations
 
@@ -124,70 +125,8 @@ def _expert_bias_update_fake(expert_bias, loads, rate):
 
 
 # ---------------------------------------------------------------------------
-# Autograd. The backward operators are not differentiable themselves: a double
-# backward through them raises.
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError("moe_route: the router's backward is not differentiable (no double backward)")
-
-
-def _no_context(ctx, inputs, output):
-    pass
-
-
-for _backward_op in ("moe_route::route_backward", "moe_route::expert_choice_backward"):
-    torch.library.register_autograd(_backward_op, _no_double_backward, setup_context=_no_context)
-
-# The route operator's arguments, in schema order.
-ROUTE_INPUTS = ("logits", "config", "expert_bias", "prior_bias", "prior_probs", "token_prior_row", "sequence_ids",
-                 "num_sequences", "load_fractions", "expert_rank", "rank", "training", "admission", "hidden_norms",
-                 "weight_norms", "group_ids", "num_groups", "capacity", "threads")
-
-
-def _route_setup_context(ctx, inputs, output):
-    a = dict(zip(ROUTE_INPUTS, inputs))
-    _, _, indices, routed_indices, _, _, workspace, _, _ = output
-    admitting, ctx.renormalize = _C.admission_flags(a["admission"])
-    ctx.save_for_backward(a["logits"], a["expert_bias"], a["prior_bias"], a["prior_probs"], a["token_prior_row"],
-                          a["sequence_ids"], a["load_fractions"], a["expert_rank"],
-                          routed_indices if admitting else indices, workspace, indices if admitting else None)
-    ctx.config, ctx.num_sequences, ctx.rank = a["config"], a["num_sequences"], a["rank"]
-    ctx.training, ctx.threads = a["training"], a["threads"]
-
-
-def _route_backward(ctx, grad_gates, grad_values, *grads):
-    (logits, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids, load_fractions, expert_rank,
-     routed_indices, workspace, admitted) = ctx.saved_tensors
-    if grad_gates is None:
-        grad_gates = logits.new_zeros(routed_indices.shape)
-    if grad_values is None:
-        grad_values = logits.new_zeros((NUM_PENALTIES,))
-    grad = ops.route_backward(grad_gates.contiguous(), grad_values.contiguous(), logits, ctx.config, expert_bias,
-                              prior_bias, prior_probs, token_prior_row, sequence_ids, ctx.num_sequences,
-                              load_fractions, expert_rank, ctx.rank, ctx.training, routed_indices, workspace, admitted,
-                              ctx.renormalize, ctx.threads)
-    return (grad,) + (None,) * (len(ROUTE_INPUTS) - 1)
-
-
-torch.library.register_autograd("moe_route::route", _route_backward, setup_context=_route_setup_context)
-
-
-def _expert_choice_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], output[1])
-    ctx.threads = inputs[-1]
-
-
-def _expert_choice_backward(ctx, grad_gates, *grads):
-    logits, indices = ctx.saved_tensors
-    if grad_gates is None:
-        grad_gates = logits.new_zeros(logits.shape)
-    grad = ops.expert_choice_backward(grad_gates.contiguous(), logits, indices, ctx.threads)
-    return (grad,) + (None,) * 7
-
-
-torch.library.register_autograd("moe_route::expert_choice", _expert_choice_backward,
-                                setup_context=_expert_choice_setup_context)
+# Autograd of router_l2 (route, expert_choice and the backward operators have
+# C++ Autograd kernels in python/src/bindings.cpp).
 
 
 def _router_l2_setup_context(ctx, inputs, output):

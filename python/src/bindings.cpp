@@ -3,8 +3,9 @@
 // against a CUDA PyTorch with MOE_ROUTE_TORCH_WITH_CUDA, CUDA kernels. Each
 // kernel is a call of the LibTorch adapter (include/moe_route/adapters/torch.hpp),
 // which checks the arguments and raises TypeError / ValueError naming the
-// one at fault before writing anything. The Python package registers the fake
-// (meta) implementations and the autograd formulas (python/moe_route/_ops.py)
+// one at fault before writing anything. The differentiable operators have
+// Autograd kernels here; the Python package registers the fake (meta)
+// implementations and router_l2's autograd formula (python/moe_route/_ops.py)
 // and builds its API on these operators.
 //
 // Configurations travel as text, "field=value;..." (adapters/detail/config_text.hpp),
@@ -17,8 +18,11 @@
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 // First: the runtime routers come compiled from moe_route::runtime.
@@ -97,6 +101,17 @@ const rt::admission_config& admission_config_of(c10::string_view text) {
   return cached<rt::admission_config, ad::detail::admission_config_of>(text);
 }
 
+// The float32 penalty values route returns; on the CPU converted here rather
+// than by a second dispatched operator (the same rounding as Tensor.to).
+tensor float_values(const tensor& values) {
+  if (!values.device().is_cpu()) return values.to(at::kFloat);
+  tensor f = at::empty(values.sizes(), values.options().dtype(at::kFloat));
+  const double* from = values.data_ptr<double>();
+  float* to = f.data_ptr<float>();
+  for (std::int64_t i = 0; i < values.numel(); ++i) to[i] = static_cast<float>(from[i]);
+  return f;
+}
+
 std::tuple<tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor> route(
     const tensor& logits, c10::string_view config, const optional_tensor& expert_bias,
     const optional_tensor& prior_bias, const optional_tensor& prior_probs, const optional_tensor& token_prior_row,
@@ -111,7 +126,7 @@ std::tuple<tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, tenso
                 route_tensors_of(logits, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
                                  num_sequences, load_fractions, expert_rank, rank, training),
                 admission_tensors_of(hidden_norms, weight_norms, group_ids, num_groups, capacity), threads_of(threads));
-  return {r.gates, r.penalty_values.to(at::kFloat), r.indices, r.routed_indices, r.routed_gates, r.status, r.workspace,
+  return {r.gates, float_values(r.penalty_values), r.indices, r.routed_indices, r.routed_gates, r.status, r.workspace,
           r.nonfinite_rows, r.admission_report};
 }
 
@@ -119,22 +134,6 @@ std::tuple<tensor, tensor> select_experts(const tensor& logits, c10::string_view
                                          const optional_tensor& expert_bias, std::int64_t threads) {
   const ad::selection_result r = ad::select_experts(router_config_of(config), logits, expert_bias, threads_of(threads));
   return {r.gates, r.indices};
-}
-
-// The Autograd kernel of select_experts: its gates are not differentiable, so
-// a call that autograd would record is refused rather than given gates that
-// silently get no gradient.
-std::tuple<tensor, tensor> select_experts_autograd(const tensor& logits, c10::string_view config,
-                                                  const optional_tensor& expert_bias, std::int64_t threads) {
-  if (at::GradMode::is_enabled() && logits.requires_grad())
-    ad::detail::value_error(
-        "select_experts is inference routing and its gates have no gradient, but logits requires grad: call it under "
-        "torch.no_grad() / torch.inference_mode(), or use route() for training");
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("moe_route::select_experts", "")
-                             .typed<decltype(select_experts)>();
-  return op.call(logits, config, expert_bias, threads);
 }
 
 tensor route_backward(const tensor& grad_gates, const tensor& grad_penalties, const tensor& logits,
@@ -213,6 +212,192 @@ std::tuple<tensor, tensor, tensor> prior_prepare(const tensor& pi, double epsilo
 }
 
 void expert_bias_update(tensor& bias, const tensor& loads, double rate) { ad::expert_bias_update(bias, loads, rate); }
+
+// ---------------------------------------------------------------------------
+// Autograd kernels, in C++ so that a call runs no Python (a formula registered
+// with torch.library.register_autograd costs about 6 µs a call). Each records
+// its node and redispatches below autograd: to the CPU or CUDA kernel, or to
+// the fake while torch.compile traces.
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr char route_name[] = "moe_route::route";
+constexpr char select_experts_name[] = "moe_route::select_experts";
+constexpr char route_backward_name[] = "moe_route::route_backward";
+constexpr char expert_choice_name[] = "moe_route::expert_choice";
+constexpr char expert_choice_backward_name[] = "moe_route::expert_choice_backward";
+
+// The operator `name`, looked up once.
+template <class Signature, const char* name>
+const c10::TypedOperatorHandle<Signature>& operator_named() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+  return op;
+}
+
+template <class Signature, const char* name, class... Args>
+auto below_autograd(Args&&... args) {
+  const at::AutoDispatchBelowADInplaceOrView guard;
+  return operator_named<Signature, name>().call(std::forward<Args>(args)...);
+}
+
+template <class Signature>
+struct arity;
+template <class R, class... Args>
+struct arity<R(Args...)> : std::integral_constant<std::size_t, sizeof...(Args)> {};
+
+// Whether autograd records a call whose only differentiable input is `t`; when
+// it does not, the kernels below skip building a node (a few µs a call).
+bool recorded(const tensor& t) { return at::GradMode::is_enabled() && t.requires_grad(); }
+
+// Saved tensors hold an absent optional as an undefined tensor.
+tensor or_undefined(const optional_tensor& t) { return t.value_or(tensor()); }
+optional_tensor optional_of(const tensor& t) { return t.defined() ? optional_tensor(t) : std::nullopt; }
+
+// select_experts' gates are not differentiable, so a call that autograd would
+// record is refused rather than given gates that silently get no gradient.
+std::tuple<tensor, tensor> select_experts_autograd(const tensor& logits, c10::string_view config,
+                                                  const optional_tensor& expert_bias, std::int64_t threads) {
+  if (recorded(logits))
+    ad::detail::value_error(
+        "select_experts is inference routing and its gates have no gradient, but logits requires grad: call it under "
+        "torch.no_grad() / torch.inference_mode(), or use route() for training");
+  return below_autograd<decltype(select_experts), select_experts_name>(logits, config, expert_bias, threads);
+}
+
+// route: gates and penalty values are differentiable in the logits; the
+// backward reruns nothing but reads the forward's workspace.
+class route_function : public torch::autograd::Function<route_function> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const tensor& logits, c10::string_view config,
+                               const optional_tensor& expert_bias, const optional_tensor& prior_bias,
+                               const optional_tensor& prior_probs, const optional_tensor& token_prior_row,
+                               const optional_tensor& sequence_ids, std::int64_t num_sequences,
+                               const optional_tensor& load_fractions, const optional_tensor& expert_rank,
+                               std::int64_t rank, bool training, c10::string_view admission,
+                               const optional_tensor& hidden_norms, const optional_tensor& weight_norms,
+                               const optional_tensor& group_ids, std::int64_t num_groups,
+                               const optional_tensor& capacity, std::int64_t threads) {
+    auto [gates, values, indices, routed_indices, routed_gates, status, workspace, nonfinite_rows, report] =
+        below_autograd<decltype(route), route_name>(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
+                       num_sequences, load_fractions, expert_rank, rank, training, admission, hidden_norms,
+                       weight_norms, group_ids, num_groups, capacity, threads);
+    // Under admission the backward takes the routed experts and the admitted ones.
+    const rt::admission_config& a = admission_config_of(admission);
+    const bool admitting = !a.dropless;
+    ctx->save_for_backward({logits, or_undefined(expert_bias), or_undefined(prior_bias), or_undefined(prior_probs),
+                            or_undefined(token_prior_row), or_undefined(sequence_ids), or_undefined(load_fractions),
+                            or_undefined(expert_rank), admitting ? routed_indices : indices, workspace,
+                            admitting ? indices : tensor()});
+    ctx->saved_data["config"] = std::string(config);
+    ctx->saved_data["num_sequences"] = num_sequences;
+    ctx->saved_data["rank"] = rank;
+    ctx->saved_data["training"] = training;
+    ctx->saved_data["renormalize"] = admitting && rt::renormalizes(a);
+    ctx->saved_data["threads"] = threads;
+    ctx->mark_non_differentiable({indices, routed_indices, routed_gates, status, workspace, nonfinite_rows, report});
+    ctx->set_materialize_grads(false);
+    return {gates, values, indices, routed_indices, routed_gates, status, workspace, nonfinite_rows, report};
+  }
+
+  static variable_list backward(AutogradContext* ctx, const variable_list& grads) {
+    const variable_list s = ctx->get_saved_variables();
+    const tensor& logits = s[0];
+    const tensor& routed_indices = s[8];
+    const auto f32 = logits.options().dtype(at::kFloat);
+    const tensor grad_gates = grads[0].defined() ? grads[0].contiguous() : at::zeros(routed_indices.sizes(), f32);
+    const tensor grad_values = grads[1].defined() ? grads[1].contiguous() : at::zeros({rt::num_penalties}, f32);
+    const auto& d = ctx->saved_data;
+    // Through the dispatcher with autograd: a double backward reaches route_backward's refusal.
+    variable_list grad_inputs(arity<decltype(route)>::value);
+    grad_inputs[0] = operator_named<decltype(route_backward), route_backward_name>().call(grad_gates, grad_values, logits, d.at("config").toStringRef(), optional_of(s[1]),
+                             optional_of(s[2]), optional_of(s[3]), optional_of(s[4]), optional_of(s[5]),
+                             d.at("num_sequences").toInt(), optional_of(s[6]), optional_of(s[7]), d.at("rank").toInt(),
+                             d.at("training").toBool(), routed_indices, s[9], optional_of(s[10]),
+                             d.at("renormalize").toBool(), d.at("threads").toInt());
+    return grad_inputs;
+  }
+};
+
+std::tuple<tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor> route_autograd(
+    const tensor& logits, c10::string_view config, const optional_tensor& expert_bias,
+    const optional_tensor& prior_bias, const optional_tensor& prior_probs, const optional_tensor& token_prior_row,
+    const optional_tensor& sequence_ids, std::int64_t num_sequences, const optional_tensor& load_fractions,
+    const optional_tensor& expert_rank, std::int64_t rank, bool training, c10::string_view admission,
+    const optional_tensor& hidden_norms, const optional_tensor& weight_norms, const optional_tensor& group_ids,
+    std::int64_t num_groups, const optional_tensor& capacity, std::int64_t threads) {
+  if (!recorded(logits))
+    return below_autograd<decltype(route), route_name>(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
+                          num_sequences, load_fractions, expert_rank, rank, training, admission, hidden_norms,
+                          weight_norms, group_ids, num_groups, capacity, threads);
+  const variable_list r =
+      route_function::apply(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
+                            num_sequences, load_fractions, expert_rank, rank, training, admission, hidden_norms,
+                            weight_norms, group_ids, num_groups, capacity, threads);
+  return {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]};
+}
+
+// expert_choice: the gates are differentiable in the logits.
+class expert_choice_function : public torch::autograd::Function<expert_choice_function> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const tensor& logits, std::int64_t top_k, double capacity_factor,
+                               std::int64_t min_capacity, const optional_tensor& group_ids, std::int64_t num_groups,
+                               const optional_tensor& capacity, std::int64_t threads) {
+    auto [gates, indices, experts_per_token, report] = below_autograd<decltype(expert_choice), expert_choice_name>(
+        logits, top_k, capacity_factor, min_capacity, group_ids, num_groups, capacity, threads);
+    ctx->save_for_backward({logits, indices});
+    ctx->saved_data["threads"] = threads;
+    ctx->mark_non_differentiable({indices, experts_per_token, report});
+    ctx->set_materialize_grads(false);
+    return {gates, indices, experts_per_token, report};
+  }
+
+  static variable_list backward(AutogradContext* ctx, const variable_list& grads) {
+    const variable_list s = ctx->get_saved_variables();
+    const tensor& logits = s[0];
+    const tensor grad_gates =
+        grads[0].defined() ? grads[0].contiguous() : at::zeros(logits.sizes(), logits.options().dtype(at::kFloat));
+    variable_list grad_inputs(arity<decltype(expert_choice)>::value);
+    grad_inputs[0] = operator_named<decltype(expert_choice_backward), expert_choice_backward_name>().call(grad_gates, logits, s[1], ctx->saved_data.at("threads").toInt());
+    return grad_inputs;
+  }
+};
+
+std::tuple<tensor, tensor, tensor, tensor> expert_choice_autograd(const tensor& logits, std::int64_t top_k,
+                                                                  double capacity_factor, std::int64_t min_capacity,
+                                                                  const optional_tensor& group_ids,
+                                                                  std::int64_t num_groups,
+                                                                  const optional_tensor& capacity,
+                                                                  std::int64_t threads) {
+  if (!recorded(logits))
+    return below_autograd<decltype(expert_choice), expert_choice_name>(logits, top_k, capacity_factor, min_capacity,
+                                                                        group_ids, num_groups, capacity, threads);
+  const variable_list r = expert_choice_function::apply(logits, top_k, capacity_factor, min_capacity, group_ids,
+                                                        num_groups, capacity, threads);
+  return {r[0], r[1], r[2], r[3]};
+}
+
+// The backward operators: their result has no derivative here, so a double
+// backward through it raises (when it runs, not when create_graph records it).
+template <class Signature, const char* name>
+class once_differentiable;
+template <class... Args, const char* name>
+class once_differentiable<tensor(Args...), name>
+    : public torch::autograd::Function<once_differentiable<tensor(Args...), name>> {
+ public:
+  static variable_list forward(AutogradContext*, Args... args) {
+    return {below_autograd<tensor(Args...), name>(args...)};
+  }
+  static variable_list backward(AutogradContext*, const variable_list&) {
+    throw std::runtime_error("moe_route: the router's backward is not differentiable (no double backward)");
+  }
+
+  // The Autograd kernel: a node only when create_graph asks autograd to record the backward.
+  static tensor kernel(Args... args) {
+    if (!at::GradMode::is_enabled()) return below_autograd<tensor(Args...), name>(args...);
+    return once_differentiable::apply(args...)[0];
+  }
+};
 
 // Host facts about a configuration text, for the Python layer.
 py::dict preset(const std::string& name) {
@@ -313,7 +498,14 @@ TORCH_LIBRARY(moe_route, m) {
   m.def("expert_bias_update(Tensor(a!) expert_bias, Tensor loads, float rate) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(moe_route, Autograd, m) { m.impl("select_experts", &select_experts_autograd); }
+TORCH_LIBRARY_IMPL(moe_route, Autograd, m) {
+  m.impl("route", &route_autograd);
+  m.impl("select_experts", &select_experts_autograd);
+  m.impl("route_backward", &once_differentiable<decltype(route_backward), route_backward_name>::kernel);
+  m.impl("expert_choice", &expert_choice_autograd);
+  m.impl("expert_choice_backward",
+         &once_differentiable<decltype(expert_choice_backward), expert_choice_backward_name>::kernel);
+}
 
 // One set of kernels serves both devices: the adapter picks the backend from
 // the tensors' device.

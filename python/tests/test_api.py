@@ -212,5 +212,5 @@ def test_double_backward_is_refused():
     z = torch.randn(4, 8, requires_grad=True)
     res = mr.route(z, mr.RouterConfig(z_loss=0.1))
     (g,) = torch.autograd.grad(res.gates.sum() + res.aux_loss, z, create_graph=True)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="the router's backward is not differentiable"):
         g.sum().backward()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import moe_route as mr
-from moe_route._ops import ROUTE_INPUTS, ops
+from moe_route._ops import ops
 
 N, E, K = 24, 12, 3
 
@@ -59,6 +59,21 @@ def test_opcheck_route(name, device):
     args = _route_args(z, cfg, admission.to_text() if admission else "", expert_bias=on(bias),
                        prior=tuple(on(t) for t in prior), hidden_norms=on(norms[0]), weight_norms=on(norms[1]))
     torch.library.opcheck(ops.route.default, args)
+
+
+def test_only_gates_and_penalty_values_are_differentiable():
+    cfg, admission = ROUTE_CASES["capacity_probs"]
+    z = _logits(requires_grad=True)
+    out = ops.route(*_route_args(z, cfg, admission.to_text()))
+    assert [t.requires_grad for t in out] == [True, True] + [False] * 7  # routed_gates too: it has no gradient
+    assert out[0].grad_fn is out[1].grad_fn is not None
+    with torch.no_grad():
+        assert not any(t.requires_grad for t in ops.route(*_route_args(z, cfg, admission.to_text())))
+    gates, indices, per_token, report = ops.expert_choice(z, 2, 1.0, 0, None, 1, None, 1)
+    assert gates.grad_fn is not None and not (indices.requires_grad or per_token.requires_grad or report.requires_grad)
+    (g,) = torch.autograd.grad(gates.sum(), z, create_graph=True)
+    with pytest.raises(RuntimeError, match="the router's backward is not differentiable"):
+        g.sum().backward()
 
 
 def test_opcheck_route_backward_admit_dispatch():
@@ -175,7 +190,8 @@ def test_export_moe_block():
 
 def _bad_route(**changes):
     cfg = changes.pop("cfg", mr.RouterConfig(top_k=K))
-    args = dict(zip(ROUTE_INPUTS, _route_args(_logits(), cfg)))
+    names = [a.name for a in ops.route.default._schema.arguments]
+    args = dict(zip(names, _route_args(_logits(), cfg)))
     args.update(changes)
     return lambda: ops.route(*args.values())
 

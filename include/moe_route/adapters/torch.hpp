@@ -239,13 +239,13 @@ inline route_result route(const runtime::router_config& c, const runtime::admiss
     route_result r;
     r.indices = at::empty({n, c.top_k}, where.options(at::kInt));
     r.gates = at::empty({n, c.top_k}, where.options(at::kFloat));
-    r.penalty_values = at::zeros({runtime::num_penalties}, where.options(at::kDouble));
+    r.penalty_values = detail::zeros_on({runtime::num_penalties}, at::kDouble, where);
     // Zeroed: the bytes route leaves unwritten (alignment padding) are then fixed too, so equal inputs give
     // equal outputs, workspace included (torch.compile's checks compare every output).
-    r.workspace = at::zeros({static_cast<std::int64_t>(
-                                runtime::workspace_bytes(c, n, call.in.num_experts, call.in.num_sequences))},
-                            where.options(at::kByte));
-    r.nonfinite_rows = at::zeros({}, where.options(at::kLong));
+    r.workspace = detail::zeros_on(
+        {static_cast<std::int64_t>(runtime::workspace_bytes(c, n, call.in.num_experts, call.in.num_sequences))},
+        at::kByte, where);
+    r.nonfinite_rows = detail::zeros_on({}, at::kLong, where);
     route_outputs out;
     out.indices = r.indices.data_ptr<std::int32_t>();
     out.gates = r.gates.data_ptr<float>();
@@ -263,7 +263,7 @@ inline route_result route(const runtime::router_config& c, const runtime::admiss
     } else
 #endif
     {
-      r.nonfinite_rows.fill_(runtime::route(c, call.in, out, cpu::execution{threads}).nonfinite_rows);
+      *r.nonfinite_rows.data_ptr<std::int64_t>() = runtime::route(c, call.in, out, cpu::execution{threads}).nonfinite_rows;
     }
     if (a.dropless) {
       r.routed_indices = at::empty({0, c.top_k}, where.options(at::kInt));

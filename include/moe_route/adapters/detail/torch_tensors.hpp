@@ -9,6 +9,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -140,11 +141,21 @@ inline at::Tensor bytes_on(std::size_t bytes, const placement& where) {
   return at::empty({static_cast<std::int64_t>(bytes)}, where.options(at::kByte));
 }
 
+// A zero tensor on the call's device. On the CPU the bytes are cleared here
+// rather than by a second dispatched operator (fill_), which is most of the
+// cost of a small tensor.
+inline at::Tensor zeros_on(at::IntArrayRef sizes, at::ScalarType dtype, const placement& where) {
+  if (where.cuda()) return at::zeros(sizes, where.options(dtype));
+  at::Tensor t = at::empty(sizes, where.options(dtype));
+  std::memset(t.data_ptr(), 0, t.nbytes());
+  return t;
+}
+
 // A report struct of int64 counters as an int64 tensor (zeros), and back.
 template <class Report>
 at::Tensor report_tensor(const placement& where) {
   static_assert(sizeof(Report) % sizeof(std::int64_t) == 0, "reports are int64 counters");
-  return at::zeros({static_cast<std::int64_t>(sizeof(Report) / sizeof(std::int64_t))}, where.options(at::kLong));
+  return zeros_on({static_cast<std::int64_t>(sizeof(Report) / sizeof(std::int64_t))}, at::kLong, where);
 }
 
 template <class Report>
