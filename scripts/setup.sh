@@ -34,3 +34,17 @@ else
   /usr/bin/python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version" "pytest==9.2.0" "pybind11==3.1.0" "numpy==2.4.6"
 fi
+
+# The engines whose routers the tests use as oracles (python/tests/test_megatron.py):
+# their pure-PyTorch paths on the CPU, random weights, nothing downloaded from a hub.
+# megatron-core 0.16.1 is the newest release for Python 3.11 (Debian 12's).
+engines=("megatron-core==0.16.1" "transformers==5.23.0")
+if "$venv/bin/python" -c "
+import sys
+from importlib.metadata import version
+sys.exit(not (version('megatron-core') == '0.16.1' and version('transformers') == '5.23.0'))" 2>/dev/null; then
+  echo "setup: $venv has ${engines[*]}"
+else
+  echo "setup: installing ${engines[*]} from PyPI"
+  "$venv/bin/pip" install -q --disable-pip-version-check "${engines[@]}"
+fi

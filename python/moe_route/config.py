@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from . import _C
+from . import _C, _megatron
 
 GATINGS = ("softmax", "sigmoid", "sqrt_softplus", "softmax_after_topk")
 SELECTIONS = ("top_k", "expert_bias", "group_limited", "group_limited_bias", "fixed")
@@ -98,6 +98,16 @@ class RouterConfig(_Fields):
         qwen3, mixtral, deepseek_v4), with any field overridden."""
         return cls._from_text(_C.preset(name)["config"], **overrides)
 
+    @classmethod
+    def from_megatron(cls, config=None, **fields) -> "RouterConfig":
+        """Megatron-Core's router: its TransformerConfig, or its moe_* fields as
+        keyword arguments (moe_router_topk=..., moe_router_score_function=...).
+        Raises ValueError naming the field when Megatron would route differently
+        (docs/integration.md). Under seq_aux_loss pass route() the sequence of
+        each token in Megatron's [seq_length, batch] order: sequence_ids =
+        arange(seq_length * batch) % batch, num_sequences = batch."""
+        return cls(**_megatron.router_fields(_megatron.fields_of(config, fields)))
+
     @staticmethod
     def preset_experts(name: str) -> int:
         """E of the preset's model."""
@@ -150,6 +160,19 @@ class Admission(_Fields):
         text = _C.admission_preset(name, float(capacity_factor), float(fill_factor),
                                    None if tau is None else float(tau))
         return cls._from_text(text, **fields)
+
+    @classmethod
+    def from_megatron(cls, config=None, **fields) -> "Admission":
+        """Megatron-Core's token dropping (moe_expert_capacity_factor,
+        moe_token_drop_policy) as an Admission; dropless() when it drops
+        nothing. Takes what RouterConfig.from_megatron takes."""
+        m = _megatron.fields_of(config, fields)
+        _megatron.router_fields(m)  # the same refusals as the router's
+        preset = _megatron.admission_preset(m)
+        if preset is None:
+            return cls.dropless()
+        name, capacity_factor = preset
+        return cls._preset(name, capacity_factor)
 
     @classmethod
     def dropless(cls) -> "Admission":

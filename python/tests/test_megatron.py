@@ -1,0 +1,245 @@
+"""Megatron-Core's own TopKRouter as the oracle (issue 16): for every router
+configuration RouterConfig.from_megatron / Admission.from_megatron accept, the
+library's route gives Megatron's routing map, its probabilities, its load-balance
+and z-loss values, the gradient of the logits (through Megatron's aux-loss
+scaler) and its expert-bias update; the configurations it does not reproduce
+raise ValueError naming the field. Megatron runs its pure-PyTorch path on the CPU
+in one gloo process, on random logits (TopKRouter.routing: the router after its
+gating linear)."""
+
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+import moe_route as mr
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # Megatron warns that Transformer Engine and Apex are absent
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+# Megatron's configuration warns about fields a router alone does not use.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+SEQ, BATCH, E = 8, 4, 16
+N = SEQ * BATCH
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_state():
+    """One gloo process: Megatron's router asks parallel_state for its groups."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def _logits(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SEQ, BATCH, E, generator=g) * 2.0
+
+
+def _bias(seed):
+    return torch.randn(E, generator=torch.Generator().manual_seed(seed + 100)) * 0.5
+
+
+def megatron_route(fields, logits, expert_bias=None, upstream=None):
+    """Megatron's probs, routing map, loss values (coefficient included), logits
+    gradient of sum(upstream * probs) (aux losses through their scaler) and its
+    tokens_per_expert for the expert-bias update."""
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=E,
+                               use_cpu_initialization=True, add_bias_linear=False, **fields)
+    # Megatron puts the expert-bias buffers on torch.cuda.current_device(); here they live on the CPU.
+    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+        router = TopKRouter(config, pg_collection=moe_utils.get_default_pg_collection())
+    router.set_layer_number(1)
+    if expert_bias is not None:
+        router.expert_bias.copy_(expert_bias)
+    moe_utils.clear_aux_losses_tracker()
+    z = logits.clone().requires_grad_()
+    probs, routing_map = router.routing(z)
+    (probs * upstream).sum().backward()
+    tracked = moe_utils.get_moe_layer_wise_logging_tracker()
+    coeffs = {"load_balancing_loss": router.get_aux_loss_coeff("aux_loss"),
+              "seq_load_balancing_loss": router.get_aux_loss_coeff("seq_aux_loss"),
+              "z_loss": config.moe_z_loss_coeff or 0.0}
+    values = {name: float(tracked[name]["values"][0]) * coeffs[name] for name in coeffs if name in tracked}
+    moe_utils.clear_aux_losses_tracker()
+    loads = router.local_tokens_per_expert.clone() if expert_bias is not None else None
+    return probs.detach(), routing_map, values, z.grad.reshape(N, E), loads
+
+
+def library_route(fields, logits, expert_bias=None, upstream=None):
+    cfg = mr.RouterConfig.from_megatron(**fields)
+    admission = mr.Admission.from_megatron(**fields)
+    z = logits.reshape(N, E).clone().requires_grad_()
+    sequences = {}
+    if cfg.load_balance_scope == "sequence":  # Megatron's tokens are [seq_length, batch]
+        sequences = dict(sequence_ids=torch.arange(N) % BATCH, num_sequences=BATCH)
+    res = mr.route(z, cfg, expert_bias=expert_bias, admission=None if admission.is_dropless else admission,
+                   **sequences)
+    kept = res.indices >= 0
+    slot = res.indices.clamp(min=0).long()
+    probs = torch.zeros(N, E).scatter_add(1, slot, torch.where(kept, res.gates, torch.zeros_like(res.gates)))
+    routing_map = torch.zeros(N, E, dtype=torch.bool).scatter_add(1, slot, kept)
+    ((probs * upstream).sum() + res.aux_loss).backward()
+    return probs.detach(), routing_map, res, z.grad
+
+
+CASES = {
+    # Mixtral-like: Megatron's defaults (softmax over the K selected logits), aux loss and z-loss
+    "softmax_after_topk": dict(moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
+    # DeepSeek-V2-Lite-like: softmax over all experts, top-6, scaled
+    "pre_softmax_scaled": dict(moe_router_topk=6, moe_router_pre_softmax=True, moe_router_topk_scaling_factor=2.0,
+                               moe_aux_loss_coeff=1e-2),
+    "softmax_grouped": dict(moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
+                            moe_z_loss_coeff=1e-3),
+    "sigmoid": dict(moe_router_topk=4, moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5,
+                    moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
+    "sigmoid_single_gate": dict(moe_router_topk=1, moe_router_score_function="sigmoid", moe_aux_loss_coeff=1e-2),
+    # Moonlight-like: sigmoid with the aux-loss-free expert bias
+    "sigmoid_bias": dict(moe_router_topk=4, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                         moe_router_topk_scaling_factor=2.5, moe_z_loss_coeff=1e-3),
+    # DeepSeek-V3-like: biased sigmoid, 2 of 4 groups
+    "sigmoid_bias_grouped": dict(moe_router_topk=4, moe_router_score_function="sigmoid",
+                                 moe_router_enable_expert_bias=True, moe_router_num_groups=4,
+                                 moe_router_group_topk=2),
+    "seq_aux_loss": dict(moe_router_topk=2, moe_router_pre_softmax=True, moe_router_load_balancing_type="seq_aux_loss",
+                         moe_aux_loss_coeff=1e-2),
+    "listed_types": dict(moe_router_topk=2, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
+                         moe_aux_loss_coeff=[1e-2, 0.0]),
+    "drop_probs": dict(moe_router_topk=2, moe_router_pre_softmax=True, moe_expert_capacity_factor=1.0,
+                       moe_aux_loss_coeff=1e-2),
+    "drop_probs_single_sigmoid": dict(moe_router_topk=1, moe_router_score_function="sigmoid",
+                                      moe_expert_capacity_factor=0.75),
+}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_route_equals_megatron(name, seed):
+    fields = CASES[name]
+    logits = _logits(seed)
+    bias = _bias(seed) if fields.get("moe_router_enable_expert_bias") else None
+    upstream = torch.randn(N, E, generator=torch.Generator().manual_seed(seed + 7))
+    want_probs, want_map, want_values, want_grad, want_loads = megatron_route(fields, logits, bias, upstream)
+    probs, routing_map, res, grad = library_route(fields, logits, bias, upstream)
+
+    assert torch.equal(routing_map, want_map)
+    torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-5 * float(want_grad.abs().max()))
+    penalties = {name: float(value.detach()) for name, value in res.penalties.items()}
+    lb = want_values.get("load_balancing_loss", 0.0) + want_values.get("seq_load_balancing_loss", 0.0)
+    torch.testing.assert_close(penalties["load_balance"], lb, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(penalties["z_loss"], want_values.get("z_loss", 0.0), rtol=1e-5, atol=0.0)
+    if bias is not None:  # the aux-loss-free update Megatron applies after the step
+        rate = mr.RouterConfig.from_megatron(**fields).bias_update_rate
+        want_bias = moe_utils.get_updated_expert_bias(want_loads.clone(), bias.clone(), rate)
+        updated = bias.clone()
+        mr.update_expert_bias(updated, res.tokens_per_expert, rate)
+        assert torch.equal(res.tokens_per_expert.to(want_loads.dtype), want_loads)
+        assert torch.equal(updated, want_bias)
+
+
+def test_drop_position_keeps_as_many_tokens_as_megatron_and_the_earliest_as_it_documents():
+    # Megatron documents "position" as dropping the tokens at the end of the batch, but
+    # implements it as a topk of the 0/1 routing map down each expert's column: which
+    # of the equal ones it keeps is the topk's choice (on this CPU, not the earliest,
+    # so the two maps differ).
+    # The library keeps the earliest. Equal: the routed experts, the number kept per
+    # expert, the gates of the kept slots.
+    fields = dict(moe_router_topk=2, moe_router_pre_softmax=True, moe_expert_capacity_factor=1.0,
+                  moe_token_drop_policy="position")
+    upstream = torch.ones(N, E)
+    logits = _logits(3)
+    want_probs, want_map, _, _, _ = megatron_route(fields, logits, None, upstream)
+    probs, routing_map, res, _ = library_route(fields, logits, None, upstream)
+    routed = torch.zeros(N, E, dtype=torch.bool).scatter(1, res.routed_indices.long(), True)
+    capacity = -(-N * 2 // E)  # ceil(N K / E * 1.0)
+    assert torch.equal(routing_map.sum(0), want_map.sum(0))
+    assert torch.equal(routing_map.sum(0), routed.sum(0).clamp(max=capacity))
+    assert not (want_map & ~routed).any() and not (routing_map & ~routed).any()
+    for e in range(E):  # the library keeps each expert's earliest routed tokens
+        tokens = torch.nonzero(routed[:, e]).flatten()
+        assert torch.equal(torch.nonzero(routing_map[:, e]).flatten(), tokens[:capacity])
+    torch.testing.assert_close(probs[routing_map], torch.softmax(logits.reshape(N, E), -1)[routing_map])
+    torch.testing.assert_close(want_probs[want_map], torch.softmax(logits.reshape(N, E), -1)[want_map])
+
+
+REFUSED = [
+    (dict(moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2),
+     "moe_router_group_topk=2"),
+    (dict(moe_router_pre_softmax=True, moe_router_num_groups=4, moe_router_group_topk=2), "moe_router_group_topk=2"),
+    (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_aux_loss_coeff=1e-2),
+     "moe_aux_loss_coeff=0.01"),
+    (dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-2),
+     "moe_router_load_balancing_type='global_aux_loss'"),
+    (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),
+    (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[1e-2, 1e-3]),
+     "moe_router_load_balancing_type"),
+    (dict(moe_router_enable_expert_bias=True), "moe_router_enable_expert_bias=True"),
+    (dict(moe_router_topk=4, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+          moe_router_num_groups=4, moe_router_group_topk=8), "moe_router_group_topk=8"),
+    (dict(moe_router_dtype="fp64"), "moe_router_dtype='fp64'"),
+    (dict(moe_input_jitter_eps=1e-2), "moe_input_jitter_eps=0.01"),
+    (dict(moe_router_score_function="tanh"), "moe_router_score_function='tanh'"),
+]
+
+REFUSED_ADMISSION = [
+    (dict(moe_expert_capacity_factor=1.0), "moe_token_drop_policy='probs'"),  # Megatron's default router
+    (dict(moe_router_topk=2, moe_router_score_function="sigmoid", moe_expert_capacity_factor=1.0),
+     "moe_token_drop_policy='probs'"),
+    (dict(moe_router_pre_softmax=True, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+     "moe_pad_expert_input_to_capacity=True"),
+]
+
+
+@pytest.mark.parametrize("fields, field", REFUSED)
+def test_configurations_megatron_routes_differently_are_refused_by_name(fields, field):
+    with pytest.raises(ValueError, match=f"Megatron's {field}"):
+        mr.RouterConfig.from_megatron(**fields)
+    with pytest.raises(ValueError, match=f"Megatron's {field}"):
+        mr.Admission.from_megatron(**fields)
+
+
+@pytest.mark.parametrize("fields, field", REFUSED_ADMISSION)
+def test_token_dropping_megatron_does_differently_is_refused_by_name(fields, field):
+    mr.RouterConfig.from_megatron(**fields)  # the router itself is reproduced
+    with pytest.raises(ValueError, match=f"Megatron's {field}"):
+        mr.Admission.from_megatron(**fields)
+
+
+def test_from_megatron_reads_a_transformer_config_and_refuses_unknown_names():
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=E,
+                               moe_router_topk=3, moe_router_score_function="sigmoid", moe_aux_loss_coeff=1e-2,
+                               moe_expert_capacity_factor=1.5, moe_token_drop_policy="position")
+    cfg = mr.RouterConfig.from_megatron(config)
+    assert (cfg.gating, cfg.top_k, cfg.normalizes, cfg.load_balance) == ("sigmoid", 3, True, 1e-2)
+    assert mr.Admission.from_megatron(config) == mr.Admission.capacity_position(1.5)
+    assert mr.Admission.from_megatron(moe_router_topk=2) == mr.Admission.dropless()
+    with pytest.raises(TypeError, match=r"unknown Megatron router arguments \['moe_router_topK'\]"):
+        mr.RouterConfig.from_megatron(moe_router_topK=2)
+    with pytest.raises(TypeError, match="not both"):
+        mr.RouterConfig.from_megatron(config, moe_router_topk=2)
+
+
+def test_the_snippet_of_docs_integration_md_reproduces_megatron():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "integration.md").read_text()
+    snippet = doc.split("## Megatron-Core", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    logits, bias = _logits(5), _bias(5)
+    names = {"logits": logits, "num_experts": E, "expert_bias": bias.clone()}
+    exec(snippet, names)  # noqa: S102  (the documentation's own code)
+    upstream = torch.zeros(N, E)
+    want_probs, want_map, _, _, want_loads = megatron_route(names["fields"], logits, bias, upstream)
+    res = names["res"]
+    assert torch.equal(torch.zeros(N, E, dtype=torch.bool).scatter(1, res.indices.long(), True), want_map)
+    torch.testing.assert_close(torch.zeros(N, E).scatter(1, res.indices.long(), res.gates.detach()), want_probs,
+                               rtol=1e-5, atol=1e-7)
+    rate = names["cfg"].bias_update_rate
+    assert torch.equal(names["expert_bias"], moe_utils.get_updated_expert_bias(want_loads, bias.clone(), rate))
