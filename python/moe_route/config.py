@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from . import _C, _megatron
+from . import _C, _hf, _megatron
 
 GATINGS = ("softmax", "sigmoid", "sqrt_softplus", "softmax_after_topk")
 SELECTIONS = ("top_k", "expert_bias", "group_limited", "group_limited_bias", "fixed")
@@ -107,6 +107,16 @@ class RouterConfig(_Fields):
         each token in Megatron's [seq_length, batch] order: sequence_ids =
         arange(seq_length * batch) % batch, num_sequences = batch."""
         return cls(**_megatron.router_fields(_megatron.fields_of(config, fields)))
+
+    @classmethod
+    def from_hf_config(cls, config) -> "RouterConfig":
+        """The router of a Hugging Face transformers MoE model, from its
+        configuration (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2,
+        DeepSeek-V3, GLM-4.5-MoE, gpt-oss, Llama 4, Ernie 4.5). Under
+        DeepSeek-V3, GLM-4.5 and Ernie 4.5 pass the router's
+        e_score_correction_bias as expert_bias. Raises ValueError naming the
+        model type or setting it does not reproduce (docs/integration.md)."""
+        return cls(**_hf.router_fields(config))
 
     @staticmethod
     def preset_experts(name: str) -> int:
