@@ -5,6 +5,7 @@ forward and backward, as PyTorch ops and modules. See docs/python.md."""
 import torch  # noqa: F401  (first: it loads the libtorch symbols that _C resolves at import)
 
 from . import _C, _ops, prior  # noqa: F401  (_ops: the operators' fakes and autograd)
+from .balance import GlobalLoadBalance
 from .config import GATINGS, PENALTIES, PRIORS, SELECTIONS, Admission, RouterConfig
 from .functional import (Dispatch, ExpertChoiceResult, RouteResult, dispatch, expert_choice, route, router_l2,
                          select_experts, update_expert_bias)
@@ -13,6 +14,6 @@ from .modules import Router
 with_cuda = bool(_C.with_cuda)
 router_max_k = int(_C.router_max_k)
 
-__all__ = ["Admission", "Dispatch", "ExpertChoiceResult", "GATINGS", "PENALTIES", "PRIORS", "Router",
+__all__ = ["Admission", "Dispatch", "ExpertChoiceResult", "GATINGS", "GlobalLoadBalance", "PENALTIES", "PRIORS", "Router",
            "RouteResult", "RouterConfig", "SELECTIONS", "dispatch", "expert_choice", "router_max_k", "prior", "route",
            "router_l2", "select_experts", "update_expert_bias", "with_cuda"]

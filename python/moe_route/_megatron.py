@@ -79,7 +79,8 @@ def _load_balance(m: Dict[str, Any], biased_or_grouped: bool) -> Dict[str, Any]:
     for t in types:
         if t not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
             _refuse("moe_router_load_balancing_type", t,
-                    "only aux_loss, seq_aux_loss and none are reproduced (sinkhorn routes differently)")
+                    "only aux_loss, seq_aux_loss, global_aux_loss and none are reproduced (sinkhorn routes "
+                    "differently)")
     active = [(t, float(c)) for t, c in zip(types, coeffs) if t != "none" and float(c) != 0.0]
     if not active:
         return {}
@@ -87,14 +88,13 @@ def _load_balance(m: Dict[str, Any], biased_or_grouped: bool) -> Dict[str, Any]:
         _refuse("moe_router_load_balancing_type", m["moe_router_load_balancing_type"],
                 "the library has one load-balance penalty; give one type a non-zero coefficient")
     kind, coeff = active[0]
-    if kind == "global_aux_loss":
-        _refuse("moe_router_load_balancing_type", kind,
-                "its loads are accumulated over gradient-accumulation steps; use load_balance_scope='global_batch' "
-                "with load_fractions you accumulate")
+    if kind == "global_aux_loss":  # the loads come from GlobalLoadBalance, a plain top-k as Megatron's
+        return {"load_balance": coeff, "load_balance_scope": "global_batch"}
     if biased_or_grouped:
         _refuse("moe_aux_loss_coeff", coeff,
                 "with an expert bias or group-limited routing Megatron counts its aux loss's loads on a plain top-k "
-                "of the unbiased scores, the library on the experts it selects")
+                "of the unbiased scores, the library on the experts it selects (global_aux_loss, whose loads "
+                "GlobalLoadBalance counts, is reproduced)")
     return {"load_balance": coeff, "load_balance_scope": "batch" if kind == "aux_loss" else "sequence"}
 
 

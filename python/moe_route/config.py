@@ -105,7 +105,8 @@ class RouterConfig(_Fields):
         Raises ValueError naming the field when Megatron would route differently
         (docs/integration.md). Under seq_aux_loss pass route() the sequence of
         each token in Megatron's [seq_length, batch] order: sequence_ids =
-        arange(seq_length * batch) % batch, num_sequences = batch."""
+        arange(seq_length * batch) % batch, num_sequences = batch. Under
+        global_aux_loss pass load_fractions from a moe_route.GlobalLoadBalance."""
         return cls(**_megatron.router_fields(_megatron.fields_of(config, fields)))
 
     @classmethod

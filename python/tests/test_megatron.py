@@ -172,14 +172,79 @@ def test_drop_position_keeps_as_many_tokens_as_megatron_and_the_earliest_as_it_d
     torch.testing.assert_close(want_probs[want_map], torch.softmax(logits.reshape(N, E), -1)[want_map])
 
 
+GLOBAL_CASES = {
+    "softmax": dict(moe_router_topk=2, moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-2),
+    # the loads of a biased, grouped router are still a plain top-k in Megatron's global aux loss
+    "sigmoid_bias_grouped": dict(moe_router_topk=4, moe_router_score_function="sigmoid",
+                                 moe_router_enable_expert_bias=True, moe_router_num_groups=4, moe_router_group_topk=2,
+                                 moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GLOBAL_CASES))
+def test_global_aux_loss_over_accumulation_steps_equals_megatron(name):
+    fields = GLOBAL_CASES[name]
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=E,
+                               use_cpu_initialization=True, add_bias_linear=False, **fields)
+    with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+        router = TopKRouter(config, pg_collection=moe_utils.get_default_pg_collection())
+    router.set_layer_number(1)
+    bias = _bias(9) if router.expert_bias is not None else None
+    if bias is not None:
+        router.expert_bias.copy_(bias)
+    cfg = mr.RouterConfig.from_megatron(**fields)
+    assert cfg.load_balance_scope == "global_batch"
+    balance = mr.GlobalLoadBalance(E, cfg.top_k)
+    for step in range(3):  # three micro-batches of one optimizer step: Megatron's buffer accumulates
+        logits = _logits(20 + step)
+        upstream = torch.randn(N, E, generator=torch.Generator().manual_seed(step))
+        moe_utils.clear_aux_losses_tracker()
+        z_megatron = logits.clone().requires_grad_()
+        probs, _ = router.routing(z_megatron)
+        (probs * upstream).sum().backward()
+        want = float(moe_utils.get_moe_layer_wise_logging_tracker()["global_load_balancing_loss"]["values"][0]) * 1e-2
+
+        z = logits.reshape(N, E).clone().requires_grad_()
+        res = mr.route(z, cfg, expert_bias=bias, load_fractions=balance.load_fractions(z.detach()))
+        dense = torch.zeros(N, E).scatter_add(1, res.indices.long(), res.gates)
+        ((dense * upstream).sum() + res.aux_loss).backward()
+        assert balance.steps == step + 1 and float(router.ga_steps) == step + 1
+        torch.testing.assert_close(float(res.penalties["load_balance"].detach()), want, rtol=1e-5, atol=0.0)
+        torch.testing.assert_close(z.grad, z_megatron.grad.reshape(N, E), rtol=1e-5,
+                                   atol=1e-5 * float(z_megatron.grad.abs().max()))
+    moe_utils.clear_aux_losses_tracker()
+    router.reset_global_aux_loss_tracker()
+    balance.reset()
+    assert balance.steps == 0 and balance.loads is None
+
+
+def test_global_load_balance_sums_over_ranks_through_the_callers_all_reduce():
+    # Two "ranks" whose all_reduce adds the other's loads and tokens: the fractions
+    # are those of the concatenated batch, scaled by this rank's share n / T.
+    a, b = _logits(30).reshape(N, E), _logits(31).reshape(N, E)
+    other = {}
+
+    def all_reduce(t):
+        t += other[t.dim()]
+
+    other[1] = torch.zeros(E).index_add_(0, torch.topk(b, 2, dim=1).indices.reshape(-1), torch.ones(2 * N))
+    other[0] = torch.tensor(float(N))
+    f = mr.GlobalLoadBalance(E, 2, all_reduce).load_fractions(a)
+    both = torch.cat([a, b])
+    loads = torch.zeros(E).index_add_(0, torch.topk(both, 2, dim=1).indices.reshape(-1), torch.ones(4 * N))
+    torch.testing.assert_close(f, loads * N / (2 * (2 * N) ** 2))
+    with pytest.raises(ValueError, match=r"expects logits \[tokens, 16\]"):
+        mr.GlobalLoadBalance(E, 2).load_fractions(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="1 <= top_k"):
+        mr.GlobalLoadBalance(E, 17)
+
+
 REFUSED = [
     (dict(moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2),
      "moe_router_group_topk=2"),
     (dict(moe_router_pre_softmax=True, moe_router_num_groups=4, moe_router_group_topk=2), "moe_router_group_topk=2"),
     (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_aux_loss_coeff=1e-2),
      "moe_aux_loss_coeff=0.01"),
-    (dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=1e-2),
-     "moe_router_load_balancing_type='global_aux_loss'"),
     (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),
     (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[1e-2, 1e-3]),
      "moe_router_load_balancing_type"),
