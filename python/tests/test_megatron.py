@@ -15,9 +15,11 @@ import pytest
 import torch
 
 import moe_route as mr
+from helpers import import_engine
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # Megatron warns that Transformer Engine and Apex are absent
+    import_engine("megatron.core")
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router import TopKRouter

@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import moe_route as mr
+from helpers import import_engine
+
+import_engine("transformers")
 
 N, H = 48, 32
 
