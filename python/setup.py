@@ -50,7 +50,7 @@ setup(
     name="moe_route",
     version="0.1.0",
     description="Mixture-of-Experts router policies (RPB, CIPHER admission, gating, penalties) for PyTorch",
-    packages=["moe_route"],
+    packages=["moe_route", "moe_route.integrations"],
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.8",

@@ -7,7 +7,7 @@ own router module."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Tuple
 
 
 def _refuse(what: str, why: str):
@@ -30,22 +30,33 @@ def _load_balance(config, k: int) -> Dict[str, Any]:
     return {"load_balance": coefficient * k}
 
 
+def _unbiased_load_balance(config, k: int) -> Dict[str, Any]:
+    """Ernie 4.5's load_balancing_loss_func counts an unbiased top-k."""
+    if _load_balance(config, k):
+        _refuse(f"router_aux_loss_coef={config.router_aux_loss_coef!r}",
+                "its load-balancing loss counts a top-k of the unbiased probabilities, the library the experts "
+                "it selects")
+    return {}
+
+
+def _no_load_balance(config, k: int) -> Dict[str, Any]:
+    return {}
+
+
 def _softmax_top_k(config) -> Dict[str, Any]:
     """Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: top-k of the softmax, renormalised
     when norm_topk_prob (Mixtral always)."""
-    k = _top_k(config)
     if getattr(config, "router_jitter_noise", 0.0):
         _refuse(f"router_jitter_noise={config.router_jitter_noise!r}",
                 "the jitter multiplies the router's input, before the logits the library takes")
     normalize = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
-    return {"gating": "softmax", "top_k": k, "normalize": normalize, **_load_balance(config, k)}
+    return {"gating": "softmax", "top_k": _top_k(config), "normalize": normalize}
 
 
 def _deepseek_v2(config) -> Dict[str, Any]:
     """DeepSeek-V2: softmax top-k, scaled; group_limited_greedy keeps the groups
     with the largest probability, which are those with the largest logit."""
-    k = _top_k(config)
-    f = {"gating": "softmax", "top_k": k, "normalize": False, "scaling_factor": float(config.routed_scaling_factor)}
+    f = {"gating": "softmax", "top_k": _top_k(config), "normalize": False, "scaling_factor": float(config.routed_scaling_factor)}
     if config.topk_method == "group_limited_greedy":
         f.update(selection="group_limited", groups=int(config.n_group), top_groups=int(config.topk_group),
                  per_group_k=1)
@@ -64,8 +75,7 @@ def _deepseek_v3(config) -> Dict[str, Any]:
 
 def _gpt_oss(config) -> Dict[str, Any]:
     """gpt-oss: top-k of the logits (its router's linear bias included), softmax over them."""
-    k = _top_k(config)
-    return {"gating": "softmax_after_topk", "top_k": k, "normalize": False, **_load_balance(config, k)}
+    return {"gating": "softmax_after_topk", "top_k": _top_k(config), "normalize": False}
 
 
 def _llama4(config) -> Dict[str, Any]:
@@ -80,33 +90,35 @@ def _ernie4_5_moe(config) -> Dict[str, Any]:
     # Ernie divides by max(sum, moe_norm_min); a top-k sum of a softmax is at least K/E.
     if float(config.moe_norm_min) >= k / e:
         _refuse(f"moe_norm_min={config.moe_norm_min!r}", "it can exceed the sum of the chosen probabilities")
-    if _load_balance(config, k):
-        _refuse(f"router_aux_loss_coef={config.router_aux_loss_coef!r}",
-                "its load-balancing loss counts a top-k of the unbiased probabilities, the library the experts "
-                "it selects")
     return {"gating": "softmax", "selection": "expert_bias", "top_k": k, "normalize": True}
 
 
-FAMILIES: Dict[str, Callable[[Any], Dict[str, Any]]] = {
-    "mixtral": _softmax_top_k,
-    "qwen2_moe": _softmax_top_k,
-    "qwen3_moe": _softmax_top_k,
-    "olmoe": _softmax_top_k,
-    "deepseek_v2": _deepseek_v2,
-    "deepseek_v3": _deepseek_v3,
-    "glm4_moe": _deepseek_v3,
-    "gpt_oss": _gpt_oss,
-    "llama4_text": _llama4,
-    "ernie4_5_moe": _ernie4_5_moe,
+# model_type: (the router rule, the rule of the load-balancing loss the model adds).
+FAMILIES: Dict[str, Tuple[Callable[[Any], Dict[str, Any]], Callable[[Any, int], Dict[str, Any]]]] = {
+    "mixtral": (_softmax_top_k, _load_balance),
+    "qwen2_moe": (_softmax_top_k, _load_balance),
+    "qwen3_moe": (_softmax_top_k, _load_balance),
+    "olmoe": (_softmax_top_k, _load_balance),
+    "deepseek_v2": (_deepseek_v2, _no_load_balance),
+    "deepseek_v3": (_deepseek_v3, _no_load_balance),
+    "glm4_moe": (_deepseek_v3, _no_load_balance),
+    "gpt_oss": (_gpt_oss, _load_balance),
+    "llama4_text": (_llama4, _no_load_balance),
+    "ernie4_5_moe": (_ernie4_5_moe, _unbiased_load_balance),
 }
 
 
-def router_fields(config) -> Dict[str, Any]:
-    """RouterConfig fields of a transformers model configuration (a PretrainedConfig)."""
+def router_fields(config, with_load_balance: bool = True) -> Dict[str, Any]:
+    """RouterConfig fields of a transformers model configuration (a
+    PretrainedConfig); without the load-balancing loss when the model keeps
+    computing its own (integrations.transformers.patch)."""
     model_type = getattr(config, "model_type", None)
     if model_type == "llama4":  # the multimodal configuration holds the text model's
         config, model_type = config.get_text_config(), "llama4_text"
-    rule = FAMILIES.get(model_type)
-    if rule is None:
+    if model_type not in FAMILIES:
         _refuse(f"model_type={model_type!r}", f"the families with a rule are {sorted(FAMILIES)}")
-    return rule(config)
+    rule, load_balance = FAMILIES[model_type]
+    fields = rule(config)
+    if with_load_balance:
+        fields.update(load_balance(config, fields["top_k"]))
+    return fields
