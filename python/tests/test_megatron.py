@@ -51,7 +51,7 @@ def _bias(seed):
     return torch.randn(E, generator=torch.Generator().manual_seed(seed + 100)) * 0.5
 
 
-def megatron_route(fields, logits, expert_bias=None, upstream=None):
+def megatron_route(fields, logits, expert_bias=None, upstream=None, router_class=TopKRouter):
     """Megatron's probs, routing map, loss values (coefficient included), logits
     gradient of sum(upstream * probs) (aux losses through their scaler) and its
     tokens_per_expert for the expert-bias update."""
@@ -59,7 +59,7 @@ def megatron_route(fields, logits, expert_bias=None, upstream=None):
                                use_cpu_initialization=True, add_bias_linear=False, **fields)
     # Megatron puts the expert-bias buffers on torch.cuda.current_device(); here they live on the CPU.
     with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
-        router = TopKRouter(config, pg_collection=moe_utils.get_default_pg_collection())
+        router = router_class(config, pg_collection=moe_utils.get_default_pg_collection())
     router.set_layer_number(1)
     if expert_bias is not None:
         router.expert_bias.copy_(expert_bias)
@@ -149,6 +149,42 @@ def test_route_equals_megatron(name, seed):
         assert torch.equal(updated, want_bias)
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_megatron_integration_router_equals_topkrouter(name):
+    # MoERouteTopKRouter is Megatron's TopKRouter with routing() on the library: the
+    # same probs, map, tracked losses, logits gradient and expert-bias loads.
+    from moe_route.integrations.megatron import MoERouteTopKRouter
+
+    fields = CASES[name]
+    logits = _logits(4)
+    bias = _bias(4) if fields.get("moe_router_enable_expert_bias") else None
+    upstream = torch.randn(N, E, generator=torch.Generator().manual_seed(11))
+    want = megatron_route(fields, logits, bias, upstream)
+    got = megatron_route(fields, logits, bias, upstream, router_class=MoERouteTopKRouter)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
+    assert got[2].keys() == want[2].keys()
+    for key in want[2]:
+        torch.testing.assert_close(got[2][key], want[2][key], rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5 * float(want[3].abs().max()))
+    if bias is not None:
+        assert torch.equal(got[4], want[4])
+
+
+def test_the_megatron_integration_router_refuses_a_padding_mask_and_what_from_megatron_refuses():
+    from moe_route.integrations.megatron import MoERouteTopKRouter
+
+    def build(**fields):
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=E,
+                                   use_cpu_initialization=True, add_bias_linear=False, **fields)
+        return MoERouteTopKRouter(config, pg_collection=moe_utils.get_default_pg_collection())
+
+    with pytest.raises(ValueError, match="does not take a padding_mask yet"):
+        build().routing(_logits(0), padding_mask=torch.zeros(SEQ, BATCH, dtype=torch.bool))
+    with pytest.raises(ValueError, match="Megatron's moe_token_drop_policy='probs'"):
+        build(moe_expert_capacity_factor=1.0)
+
+
 def test_drop_position_keeps_as_many_tokens_as_megatron_and_the_earliest_as_it_documents():
     # Megatron documents "position" as dropping the tokens at the end of the batch, but
     # implements it as a topk of the 0/1 routing map down each expert's column: which
@@ -218,6 +254,42 @@ def test_global_aux_loss_over_accumulation_steps_equals_megatron(name):
     router.reset_global_aux_loss_tracker()
     balance.reset()
     assert balance.steps == 0 and balance.loads is None
+
+
+@pytest.mark.parametrize("name", sorted(GLOBAL_CASES))
+def test_the_megatron_integration_router_accumulates_the_global_batch_as_topkrouter(name):
+    from moe_route.integrations.megatron import MoERouteTopKRouter
+
+    fields = GLOBAL_CASES[name]
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=E,
+                               use_cpu_initialization=True, add_bias_linear=False, **fields)
+    routers = []
+    for router_class in (TopKRouter, MoERouteTopKRouter):
+        with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+            routers.append(router_class(config, pg_collection=moe_utils.get_default_pg_collection()))
+        routers[-1].set_layer_number(1)
+        if routers[-1].expert_bias is not None:
+            routers[-1].expert_bias.copy_(_bias(9))
+    for optimizer_step in range(2):
+        for micro_batch in range(2):
+            logits = _logits(40 + 2 * optimizer_step + micro_batch)
+            upstream = torch.randn(N, E, generator=torch.Generator().manual_seed(micro_batch))
+            results = []
+            for router in routers:
+                moe_utils.clear_aux_losses_tracker()
+                z = logits.clone().requires_grad_()
+                probs, routing_map = router.routing(z)
+                (probs * upstream).sum().backward()
+                tracked = moe_utils.get_moe_layer_wise_logging_tracker()["global_load_balancing_loss"]["values"][0]
+                results.append((probs.detach(), routing_map, float(tracked), z.grad))
+            (want_probs, want_map, want_loss, want_grad), (probs, routing_map, loss, grad) = results
+            assert torch.equal(routing_map, want_map)
+            torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0.0)
+            torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-5 * float(want_grad.abs().max()))
+        for router in routers:  # what finalize_model_grads does after the optimizer step
+            router.reset_global_aux_loss_tracker()
+    moe_utils.clear_aux_losses_tracker()
 
 
 def test_global_load_balance_sums_over_ranks_through_the_callers_all_reduce():

@@ -1,2 +1,3 @@
 """Drop-in replacements of the routers of the engines users come from
-(docs/integration.md): transformers.patch(model)."""
+(docs/integration.md): transformers.patch(model) for a Hugging Face
+transformers MoE model, megatron.MoERouteTopKRouter for Megatron-Core."""

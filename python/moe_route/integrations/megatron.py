@@ -1,0 +1,90 @@
+"""A Megatron-Core router whose routing runs on the library: TopKRouter
+(megatron.core.transformer.moe.router.TopKRouter) with its routing() replaced,
+so a MoE layer built with it is Megatron's in everything else: the gating
+linear, the aux-loss attachment and logging, the expert-bias bookkeeping that
+finalize_model_grads updates, the global-batch reset (docs/integration.md).
+The configuration comes from the TransformerConfig (RouterConfig.from_megatron,
+Admission.from_megatron), which refuses what the library does not reproduce."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import TopKRouter
+
+from ..balance import GlobalLoadBalance
+from ..config import Admission, RouterConfig
+from ..functional import route
+
+# The names Megatron logs each load-balancing scope under.
+_LOSS_NAMES = {"batch": "load_balancing_loss", "sequence": "seq_load_balancing_loss",
+               "global_batch": "global_load_balancing_loss"}
+
+
+class MoERouteTopKRouter(TopKRouter):
+    """TopKRouter whose routing() calls moe_route's operators."""
+
+    def __init__(self, config, pg_collection=None) -> None:
+        super().__init__(config, pg_collection=pg_collection)
+        route_config = RouterConfig.from_megatron(config)
+        # Megatron divides the z-loss coefficient over the tensor x context parallel ranks.
+        self.route_config = dataclasses.replace(route_config, z_loss=route_config.z_loss / self.tp_cp_group.size())
+        self.admission = Admission.from_megatron(config)
+        self.global_load_balance: Optional[GlobalLoadBalance] = None
+        if self.route_config.load_balance_scope == "global_batch":
+            group = self.tp_dp_cp_group
+            self.global_load_balance = GlobalLoadBalance(
+                config.num_moe_experts, config.moe_router_topk,
+                lambda t: torch.distributed.all_reduce(t, group=group))
+
+    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """(probs [tokens, E], routing_map [tokens, E]) of logits [seq_length, batch, E], as TopKRouter.routing."""
+        if padding_mask is not None:
+            raise ValueError("moe_route: MoERouteTopKRouter does not take a padding_mask yet")
+        seq_length, batch = logits.shape[:2]
+        z = logits.reshape(-1, self.config.num_moe_experts)
+        recorded = self.training and torch.is_grad_enabled()
+        cfg = self.route_config
+        extra = {}
+        if cfg.load_balance_scope == "sequence":  # Megatron's tokens are [seq_length, batch]
+            extra = dict(sequence_ids=torch.arange(z.shape[0], device=z.device) % batch, num_sequences=batch)
+        elif self.global_load_balance is not None:
+            extra = dict(load_fractions=self.global_load_balance.load_fractions(z.detach()) if recorded
+                         else torch.zeros(z.shape[1], device=z.device))
+        res = route(z, cfg, training=recorded, expert_bias=self.expert_bias,
+                    admission=None if self.admission.is_dropless else self.admission, **extra)
+        kept = res.indices >= 0
+        slots = res.indices.clamp(min=0).long()
+        probs = torch.zeros_like(z, dtype=res.gates.dtype).scatter_add(1, slots, res.gates * kept)
+        routing_map = torch.zeros_like(z, dtype=torch.bool).scatter_add(1, slots, kept)
+        if recorded and (cfg.load_balance or cfg.z_loss):
+            probs = self._attach_penalties(probs, res, z.shape[0])
+        self._apply_expert_bias(routing_map)
+        return probs.type_as(logits), routing_map
+
+    def _attach_penalties(self, probs, res, num_tokens):
+        """Megatron's attachment: the penalties' gradient joins the main loss's backward
+        through MoEAuxLossAutoScaler; their values go to the aux-loss tracker."""
+        cfg, penalties = self.route_config, res.penalties
+        num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
+        if cfg.load_balance:
+            moe_utils.save_to_aux_losses_tracker(
+                _LOSS_NAMES[cfg.load_balance_scope], penalties["load_balance"].detach() / cfg.load_balance,
+                self.layer_number, num_layers, reduce_group=self.tp_cp_group,
+                reduce_group_has_dp=cfg.load_balance_scope == "global_batch")
+        if cfg.z_loss:
+            moe_utils.save_to_aux_losses_tracker("z_loss", penalties["z_loss"].detach() / cfg.z_loss,
+                                                 self.layer_number, num_layers)
+        total = res.aux_loss
+        if self.calculate_per_token_loss:  # Megatron scales by the tokens so the per-token normalisation undoes it
+            total = total * num_tokens
+        return moe_utils.MoEAuxLossAutoScaler.apply(probs, total)
+
+    def reset_global_aux_loss_tracker(self):
+        """Called by finalize_model_grads after each optimizer step."""
+        super().reset_global_aux_loss_tracker()
+        if self.global_load_balance is not None:
+            self.global_load_balance.reset()
