@@ -172,6 +172,10 @@ void for_each_policy(Check check) {
   auto renorm = ad::capacity_probs(0.7);
   renorm.overflow.renormalize = true;
   check(renorm, "capacity_probs, renormalize");
+  check(ad::capacity_gate(0.8), "capacity_gate");
+  auto gate_threshold = ad::capacity_gate(1.0);
+  gate_threshold.threshold = 0.2f;
+  check(gate_threshold, "capacity_gate, threshold");
   check(ad::dropless(), "dropless");
   auto logit = ad::policy<ad::logit, ad::reroute>{};
   logit.threshold = -1.0f;

@@ -219,7 +219,8 @@ int main(int argc, char** argv) {
                    "sft, lbl, rpb, router_l2, kl_to_base, logit_l2, z_loss, rpb_hard, within_soft, within_hard, "
                    "global_hard");
   post->add_option("--admission", admission_arg,
-                   "dropless, cipher_strict, cipher_reroute, locmoe, capacity_position, capacity_probs");
+                   "dropless, cipher_strict, cipher_reroute, locmoe, capacity_position, capacity_probs, "
+                   "capacity_gate");
   auto* tau_opt = post->add_option("--tau", tau, "admission threshold (cipher_*: 0, locmoe: 0.01 by default)");
   post->add_option("--capacity-factor", capacity_factor, "admission (and --expert-choice) capacity factor");
   post->add_option("--fill-factor", fill_factor, "cipher_reroute fill factor");

@@ -163,12 +163,6 @@ def admission_preset(m: Dict[str, Any]):
         return "capacity_position", float(factor)
     if policy != "probs":
         _refuse("moe_token_drop_policy", policy, "Megatron's drop policies are 'probs' and 'position'")
-    # Megatron ranks an expert's tokens by the gate its router returns; the library's
-    # capacity_probs by the score s. They order tokens alike only when the gate is s
-    # times a constant: a pre-softmax probability, or a single sigmoid gate.
-    score, k = m["moe_router_score_function"], int(m["moe_router_topk"])
-    if not ((score == "softmax" and m["moe_router_pre_softmax"]) or (score == "sigmoid" and k == 1)):
-        _refuse("moe_token_drop_policy", "probs",
-                "Megatron ranks tokens by its normalised top-k gate here, the library's capacity_probs by the "
-                "score s; they agree only with moe_router_pre_softmax=True or a single sigmoid gate")
-    return "capacity_probs", float(factor)
+    # Megatron ranks an expert's tokens by the gate its router returns (after its
+    # normalisation and scaling), which is capacity_gate's affinity.
+    return "capacity_gate", float(factor)

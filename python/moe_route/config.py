@@ -140,11 +140,11 @@ class Admission(_Fields):
 
     Build one with the presets: dropless(), cipher_strict(tau),
     cipher_reroute(tau), locmoe(capacity_factor), capacity_position(cf),
-    capacity_probs(cf).
+    capacity_probs(cf), capacity_gate(cf).
     """
 
     kind: str = "dropless"  # "dropless" or "capacity"
-    affinity: str = "probability"  # position | probability | logit | cosine
+    affinity: str = "probability"  # position | probability | gate | logit | cosine
     overflow: str = "drop"  # drop | reroute
     threshold: float = -math.inf
     capacity_factor: float = 1.0
@@ -207,4 +207,11 @@ class Admission(_Fields):
 
     @classmethod
     def capacity_probs(cls, capacity_factor: float, min_capacity: int = 0) -> "Admission":
+        """Each expert keeps its tokens of highest gating score s."""
         return cls._preset("capacity_probs", capacity_factor, min_capacity=min_capacity)
+
+    @classmethod
+    def capacity_gate(cls, capacity_factor: float, min_capacity: int = 0) -> "Admission":
+        """Each expert keeps its tokens of highest routed gate (after the router's
+        normalisation and scaling): Megatron's drop_policy="probs" under any router."""
+        return cls._preset("capacity_gate", capacity_factor, min_capacity=min_capacity)

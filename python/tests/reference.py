@@ -312,12 +312,17 @@ def capacity_rule(factor: float, min_capacity: int, tokens: int, top_k: int, num
     return max(int(min_capacity), max(0, math.ceil(tokens * top_k / num_experts * factor)))
 
 
-def affinities(kind: str, gating: str, z32: torch.Tensor, hidden_norms=None, weight_norms=None) -> torch.Tensor:
+def affinities(kind: str, gating: str, z32: torch.Tensor, hidden_norms=None, weight_norms=None, routed=None,
+               routed_gates=None) -> torch.Tensor:
     """a(t, e) for every (t, e) as float64. cosine is evaluated in fp32 as
-    documented (div(v, ||x|| * ||w||)), so thresholds compare the same value."""
+    documented (div(v, ||x|| * ||w||)), so thresholds compare the same value;
+    gate is the routed gate of the slot holding e (-inf where none does)."""
     v = sanitize(z32.to(torch.float32))
     if kind == "position":
         return torch.zeros(v.shape, dtype=F64)
+    if kind == "gate":
+        a = torch.full(v.shape, -INF, dtype=F64)
+        return a.scatter(1, routed.long(), routed_gates.to(F64))
     if kind == "logit":
         return v.to(F64)
     if kind == "cosine":
@@ -329,12 +334,13 @@ def admit(z32: torch.Tensor, routed: torch.Tensor, *, gating: str, affinity: str
           overflow: str = "drop", threshold: float = -INF, capacity_factor: float = 1.0, min_capacity: int = 0,
           fill_factor: float = 4.0, max_rounds: int = -1, group_ids: Optional[torch.Tensor] = None,
           num_groups: int = 1, capacity: Optional[torch.Tensor] = None, hidden_norms=None, weight_norms=None,
-          **_ignored) -> Tuple[torch.Tensor, torch.Tensor]:
+          routed_gates: Optional[torch.Tensor] = None, **_ignored) -> Tuple[torch.Tensor, torch.Tensor]:
     """(admitted indices [N, K] int64 with -1 = dropped, status [N, K]) by the
-    rules of docs/admission.md sections 1 and 3, written as plain loops."""
+    rules of docs/admission.md sections 1 and 3, written as plain loops
+    (routed_gates [N, K]: the router's gates, for the gate affinity)."""
     n, e = z32.shape
     k = routed.shape[1]
-    a = affinities(affinity, gating, z32, hidden_norms, weight_norms).tolist()
+    a = affinities(affinity, gating, z32, hidden_norms, weight_norms, routed, routed_gates).tolist()
     tau = f32(threshold) if math.isfinite(threshold) else threshold
     routed_l = routed.long().tolist()
     group = [0] * n if group_ids is None else group_ids.long().tolist()

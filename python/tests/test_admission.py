@@ -18,9 +18,10 @@ def compare_admission(cfg, adm, z32, *, check_grad=True, dispatch_align=1, num_r
     z = z32.clone().requires_grad_(True)
     res = mr.route(z, cfg, admission=adm, dispatch_align=dispatch_align, num_ranks=num_ranks, **inputs)
     z64 = z32.double().requires_grad_(True)
-    routed, _ = ref.route(z64, **fields(cfg), **inputs)
+    routed, routed_gates = ref.route(z64, **fields(cfg), **inputs)
     assert torch.equal(res.routed_indices.long(), routed)
-    admitted, status = ref.admit(z32, routed, gating=cfg.gating, **fields(adm), **inputs)
+    admitted, status = ref.admit(z32, routed, gating=cfg.gating, routed_gates=routed_gates.detach(), **fields(adm),
+                                 **inputs)
     assert torch.equal(res.indices.long(), admitted), f"admitted:\n{res.indices}\nreference:\n{admitted}"
     assert torch.equal(res.status.long(), status)
     gates = ref.admitted_gates(z64, routed, admitted, **fields(cfg), renormalize=adm.renormalizes)
@@ -88,6 +89,8 @@ POLICIES = {
     "capacity_probs": Adm.capacity_probs(1.0),
     "capacity_probs_min": Adm.capacity_probs(0.3, min_capacity=4),
     "capacity_position": Adm.capacity_position(1.25),
+    "capacity_gate": Adm.capacity_gate(1.0),
+    "gate_threshold": Adm("capacity", "gate", "drop", threshold=0.45, capacity_factor=0.6),
     "logit_threshold": Adm("capacity", "logit", "drop", threshold=1.0, capacity_factor=1.1),
     "cipher_strict": Adm.cipher_strict(0.5, capacity_factor=1.25),
     "cipher_strict_renormalize": Adm.cipher_strict(0.8, capacity_factor=1.0, renormalize=True),

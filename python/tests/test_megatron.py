@@ -120,6 +120,14 @@ CASES = {
                        moe_aux_loss_coeff=1e-2),
     "drop_probs_single_sigmoid": dict(moe_router_topk=1, moe_router_score_function="sigmoid",
                                       moe_expert_capacity_factor=0.75),
+    # Megatron's default router ranks the tokens of an expert by its normalised top-k gate
+    "drop_probs_default_router": dict(moe_router_topk=2, moe_expert_capacity_factor=1.0, moe_aux_loss_coeff=1e-2,
+                                      moe_z_loss_coeff=1e-3),
+    "drop_probs_sigmoid": dict(moe_router_topk=4, moe_router_score_function="sigmoid",
+                               moe_router_topk_scaling_factor=2.5, moe_expert_capacity_factor=0.8),
+    "drop_probs_biased_grouped": dict(moe_router_topk=4, moe_router_score_function="sigmoid",
+                                      moe_router_enable_expert_bias=True, moe_router_num_groups=4,
+                                      moe_router_group_topk=2, moe_expert_capacity_factor=1.0),
 }
 
 
@@ -181,8 +189,8 @@ def test_the_megatron_integration_router_refuses_a_padding_mask_and_what_from_me
 
     with pytest.raises(ValueError, match="does not take a padding_mask yet"):
         build().routing(_logits(0), padding_mask=torch.zeros(SEQ, BATCH, dtype=torch.bool))
-    with pytest.raises(ValueError, match="Megatron's moe_token_drop_policy='probs'"):
-        build(moe_expert_capacity_factor=1.0)
+    with pytest.raises(ValueError, match="Megatron's moe_pad_expert_input_to_capacity=True"):
+        build(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
 
 
 def test_drop_position_keeps_as_many_tokens_as_megatron_and_the_earliest_as_it_documents():
@@ -331,9 +339,6 @@ REFUSED = [
 ]
 
 REFUSED_ADMISSION = [
-    (dict(moe_expert_capacity_factor=1.0), "moe_token_drop_policy='probs'"),  # Megatron's default router
-    (dict(moe_router_topk=2, moe_router_score_function="sigmoid", moe_expert_capacity_factor=1.0),
-     "moe_token_drop_policy='probs'"),
     (dict(moe_router_pre_softmax=True, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
      "moe_pad_expert_input_to_capacity=True"),
 ]

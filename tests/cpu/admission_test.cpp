@@ -125,7 +125,11 @@ float ref_affinity(const Router& r, const batch& b, std::int64_t t, int e) {
   using A = typename Policy::affinity_type;
   const float v = sanitize(b.z[t * b.E + e]);
   if constexpr (A::kind == ad::affinity_kind::position) return 0.0f;
-  else if constexpr (A::kind == ad::affinity_kind::logit) return v;
+  else if constexpr (A::kind == ad::affinity_kind::gate) {
+    for (int j = 0; j < b.K; ++j)  // the gate of t's slot that holds e
+      if (b.routed[t * b.K + j] == e) return sanitize(b.gates[t * b.K + j]);
+    return -finf;
+  } else if constexpr (A::kind == ad::affinity_kind::logit) return v;
   else if constexpr (A::kind == ad::affinity_kind::cosine) return v / (b.xn[t] * b.wn[e]);
   else return ad::affinity_of<ad::probability>(r, b.z.data() + t * b.E, b.E, e);
 }
@@ -355,6 +359,10 @@ void all_presets(const Router& r, std::uint32_t seed, std::int64_t N, int E, int
   check_against_reference(r, ad::capacity_position(0.8f), b, "capacity_position");
   check_against_reference(r, ad::capacity_position(0.5f, 3), b, "capacity_position, min_capacity");
   check_against_reference(r, ad::capacity_probs(0.8f), b, "capacity_probs");
+  check_against_reference(r, ad::capacity_gate(0.8f), b, "capacity_gate");
+  auto gate_threshold = ad::capacity_gate(1.0f);
+  gate_threshold.threshold = 0.3f;
+  check_against_reference(r, gate_threshold, b, "capacity_gate, threshold");
   check_against_reference(r, ad::dropless(), b, "dropless");
   auto logit_drop = ad::policy<ad::logit, ad::drop>{};
   logit_drop.threshold = 0.5f;

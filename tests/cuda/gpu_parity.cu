@@ -1212,14 +1212,14 @@ GPU_TEST_CASE("runtime admission: runtime::cuda::admit equals runtime::admit bit
   c.top_k = 4;
   std::vector<rt::admission_config> policies(1);  // dropless
   for (const auto affinity : {rt::affinity_kind::position, rt::affinity_kind::probability, rt::affinity_kind::logit,
-                              rt::affinity_kind::cosine}) {
+                              rt::affinity_kind::cosine, rt::affinity_kind::gate}) {
     rt::admission_config a;
     a.dropless = false;
     a.affinity = affinity;
     a.capacity_factor = 1.1;
     if (affinity == rt::affinity_kind::cosine) a.threshold = 0.0f;
     policies.push_back(a);
-    if (affinity != rt::affinity_kind::position) {
+    if (affinity != rt::affinity_kind::position && affinity != rt::affinity_kind::gate) {
       a.overflow = rt::overflow_kind::reroute;
       policies.push_back(a);
     }

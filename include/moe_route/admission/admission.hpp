@@ -12,7 +12,7 @@
 // offered to other experts in deterministic reroute rounds.
 //
 // An admission policy is a value of type policy<Affinity, Overflow>:
-//   affinity  position | probability | logit | cosine        (compile time)
+//   affinity  position | probability | gate | logit | cosine (compile time)
 //   threshold tau (assignments with a < tau are rejected; -inf: none)
 //   capacity  C_e = max(min_capacity, ceil(N_g * K / E * capacity_factor)),
 //             N_g = tokens of the group, or a caller per-expert array
@@ -40,7 +40,7 @@ namespace moe_route::admission {
 // backends, from the sanitised logit v = sanitize(z) (NaN -> -inf, +-inf ->
 // +-FLT_MAX).
 
-enum class affinity_kind { position, probability, logit, cosine };
+enum class affinity_kind { position, probability, logit, cosine, gate };
 
 // Earlier token first (GShard / Switch "position" policy). Expert-independent,
 // so it cannot choose a reroute target and has no value to threshold: a policy
@@ -60,6 +60,17 @@ struct probability {
   static constexpr bool needs_norms = false;
   static constexpr bool ranks_experts = true;
   static constexpr const char* name = "probability";
+};
+
+// The gate the router gave the slot (route_outputs::gates: after its
+// normalisation and scaling), as Megatron's "probs" drop policy ranks under
+// any router. It exists for routed slots only, so like position it cannot
+// choose a reroute target.
+struct gate {
+  static constexpr affinity_kind kind = affinity_kind::gate;
+  static constexpr bool needs_norms = false;
+  static constexpr bool ranks_experts = false;
+  static constexpr const char* name = "gate";
 };
 
 // The sanitised logit z_{t,e}.
@@ -93,6 +104,8 @@ template <>
 inline constexpr bool is_affinity<logit> = true;
 template <>
 inline constexpr bool is_affinity<cosine> = true;
+template <>
+inline constexpr bool is_affinity<gate> = true;
 
 // ---------------------------------------------------------------------------
 // Overflow: what happens to a rejected slot.
@@ -340,9 +353,19 @@ inline policy<position, drop> capacity_position(double capacity_factor, std::int
   return p;
 }
 
-// Megatron-LM drop_policy "probs": highest gating score first, no threshold, drop.
+// Highest gating score first, no threshold, drop: Megatron-LM's drop_policy
+// "probs" under moe_router_pre_softmax=True.
 inline policy<probability, drop> capacity_probs(double capacity_factor, std::int64_t min_capacity = 0) {
   policy<probability, drop> p;
+  p.capacity_factor = capacity_factor;
+  p.min_capacity = min_capacity;
+  return p;
+}
+
+// Highest routed gate first, no threshold, drop: Megatron-LM's drop_policy
+// "probs" under any router (its default ranks the normalised top-k gate).
+inline policy<gate, drop> capacity_gate(double capacity_factor, std::int64_t min_capacity = 0) {
+  policy<gate, drop> p;
   p.capacity_factor = capacity_factor;
   p.min_capacity = min_capacity;
   return p;

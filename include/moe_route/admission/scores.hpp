@@ -76,6 +76,7 @@ MOE_ROUTE_HD float probability_score(float v, const row_stats& st) {
 // affinity with a softmax-shaped gating only) and the norms (cosine only).
 template <class Affinity, class Gating>
 MOE_ROUTE_HD float affinity_value(float v, const row_stats& st, float hidden_norm, float weight_norm) {
+  static_assert(Affinity::kind != affinity_kind::gate, "the gate affinity is a routed slot's (slot_affinity)");
   if constexpr (Affinity::kind == affinity_kind::position) {
     (void)v, (void)st, (void)hidden_norm, (void)weight_norm;
     return 0.0f;  // every candidate ties; the token index decides
@@ -88,6 +89,20 @@ MOE_ROUTE_HD float affinity_value(float v, const row_stats& st, float hidden_nor
   } else {
     (void)hidden_norm, (void)weight_norm;
     return probability_score<Gating>(v, st);
+  }
+}
+
+// a(t, e) of a routed slot whose router gate is `routed_gate`: that gate,
+// sanitised, for the gate affinity; affinity_value for every other.
+template <class Affinity, class Gating>
+MOE_ROUTE_HD float slot_affinity(float v, const row_stats& st, float hidden_norm, float weight_norm,
+                                 float routed_gate) {
+  if constexpr (Affinity::kind == affinity_kind::gate) {
+    (void)v, (void)st, (void)hidden_norm, (void)weight_norm;
+    return moe_route::detail::sanitize(routed_gate);
+  } else {
+    (void)routed_gate;
+    return affinity_value<Affinity, Gating>(v, st, hidden_norm, weight_norm);
   }
 }
 

@@ -202,7 +202,7 @@ decltype(auto) visit_router(const router_config& c, F&& f) {
 // ---------------------------------------------------------------------------
 // Admission configured at run time (admission/admission.hpp's policies).
 
-enum class affinity_kind { position, probability, logit, cosine };
+enum class affinity_kind { position, probability, logit, cosine, gate };
 enum class overflow_kind { drop, reroute };
 
 struct admission_config {
@@ -222,6 +222,8 @@ inline void validate(const admission_config& a) {
   if (a.dropless) return;
   if (a.affinity == affinity_kind::position && a.overflow == overflow_kind::reroute)
     fail("overflow: position affinity ranks tokens, not experts, so it cannot choose a reroute target");
+  if (a.affinity == affinity_kind::gate && a.overflow == overflow_kind::reroute)
+    fail("overflow: gate affinity exists for the routed slots only, so it cannot choose a reroute target");
   if (!(a.capacity_factor > 0.0) || a.capacity_factor == std::numeric_limits<double>::infinity())
     fail("capacity_factor must be positive and finite");
   if (a.min_capacity < 0) fail("min_capacity must be >= 0");
@@ -266,6 +268,7 @@ decltype(auto) visit_admission(const admission_config& a, F&& f) {
     case affinity_kind::position: return detail::visit_overflow<admission::position>(a, f);
     case affinity_kind::logit: return detail::visit_overflow<admission::logit>(a, f);
     case affinity_kind::cosine: return detail::visit_overflow<admission::cosine>(a, f);
+    case affinity_kind::gate: return detail::visit_overflow<admission::gate>(a, f);
     case affinity_kind::probability: break;
   }
   return detail::visit_overflow<admission::probability>(a, f);

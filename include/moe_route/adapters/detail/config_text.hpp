@@ -98,7 +98,8 @@ inline constexpr std::pair<const char*, runtime::affinity_kind> affinity_names[]
     {"position", runtime::affinity_kind::position},
     {"probability", runtime::affinity_kind::probability},
     {"logit", runtime::affinity_kind::logit},
-    {"cosine", runtime::affinity_kind::cosine}};
+    {"cosine", runtime::affinity_kind::cosine},
+    {"gate", runtime::affinity_kind::gate}};
 inline constexpr std::pair<const char*, runtime::overflow_kind> overflow_names[] = {
     {"drop", runtime::overflow_kind::drop}, {"reroute", runtime::overflow_kind::reroute}};
 
@@ -194,11 +195,15 @@ inline runtime::admission_config admission_preset_of(std::string_view name, doub
     a.affinity = runtime::affinity_kind::cosine;
     a.threshold = threshold.value_or(name == "locmoe" ? 0.01f : 0.0f);
     if (name == "cipher_reroute") a.overflow = runtime::overflow_kind::reroute;
-  } else if (name == "capacity_position" || name == "capacity_probs") {
-    a.affinity = name == "capacity_position" ? runtime::affinity_kind::position : runtime::affinity_kind::probability;
+  } else if (name == "capacity_position") {
+    a.affinity = runtime::affinity_kind::position;
+  } else if (name == "capacity_probs") {
+    a.affinity = runtime::affinity_kind::probability;
+  } else if (name == "capacity_gate") {
+    a.affinity = runtime::affinity_kind::gate;
   } else {
     fail("no admission preset named '" + std::string(name) +
-         "' (dropless, cipher_strict, cipher_reroute, locmoe, capacity_position, capacity_probs)");
+         "' (dropless, cipher_strict, cipher_reroute, locmoe, capacity_position, capacity_probs, capacity_gate)");
   }
   return a;  // checked where it is used (runtime::validate), like any other admission_config
 }

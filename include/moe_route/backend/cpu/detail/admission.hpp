@@ -131,7 +131,8 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
           const std::int64_t s = t * k + j;
           const int e = in.routed_indices[s];
           const float v = num::sanitize(num::to_float(z[e]));
-          const float a = affinity_value<A, G>(v, st, xn, A::needs_norms ? in.weight_norms[e] : 1.0f);
+          const float a = slot_affinity<A, G>(v, st, xn, A::needs_norms ? in.weight_norms[e] : 1.0f,
+                                              in.routed_gates[s]);
           if (a < tau) {
             state[s] = static_cast<std::uint8_t>(rejected | state_below_threshold);
           } else {

@@ -127,7 +127,7 @@ struct strict_items_agent {
     if (invalid) {
       state = static_cast<std::uint8_t>(state_dropped | state_invalid);
     } else {
-      const float a = adm::affinity_value<A, G>(num::sanitize(num::to_float(z[e])), st, xn, wn);
+      const float a = adm::slot_affinity<A, G>(num::sanitize(num::to_float(z[e])), st, xn, wn, p.routed_gates[s]);
       if (a < p.threshold) {
         state = static_cast<std::uint8_t>(rejected | state_below_threshold);
       } else {
