@@ -191,7 +191,7 @@ def test_no_tokens():
 def test_ties_in_affinity_go_to_the_lower_token():
     z = torch.zeros(8, 4)
     z[:, 2] = 1.0  # every token routes to expert 2 (K = 1): capacity ceil(8 / 4 * 1.0) = 2
-    for adm in (Adm.capacity_position(1.0), Adm.capacity_probs(1.0)):
+    for adm in (Adm.capacity_position(1.0), Adm.capacity_probs(1.0), Adm.capacity_gate(1.0)):
         res = compare_admission(mr.RouterConfig(top_k=1), adm, z)
         assert res.indices[:, 0].tolist() == [2, 2] + [-1] * 6
     # position: the earliest tokens, whatever their affinity
@@ -200,6 +200,18 @@ def test_ties_in_affinity_go_to_the_lower_token():
     assert res.indices[:, 0].tolist() == [2, 2] + [-1] * 6
     res = compare_admission(mr.RouterConfig(top_k=1), Adm.capacity_probs(1.0), z)
     assert res.indices[:, 0].tolist() == [2, -1, -1, -1, -1, 2, -1, -1]
+
+
+def test_gate_ranks_by_the_routed_gate_where_the_score_ranks_otherwise():
+    # Two tokens compete for expert 0 (capacity 1). Token 0 has the larger softmax score
+    # for it (0.52 against 0.43), token 1 the larger gate after the top-2 normalisation
+    # (0.69 against 0.52): token 1 spreads its mass over experts it does not select.
+    # capacity_probs keeps token 0, capacity_gate token 1.
+    z = torch.tensor([[3.0, 2.9, -9.0, -9.0], [1.0, 0.2, 0.2, 0.2]])
+    cfg = mr.RouterConfig(top_k=2, normalize=True)
+    probs = compare_admission(cfg, Adm.capacity_probs(0.5), z)  # C = ceil(2 * 2 / 4 * 0.5) = 1
+    gate = compare_admission(cfg, Adm.capacity_gate(0.5), z)
+    assert probs.indices[:, 0].tolist() == [0, -1] and gate.indices[:, 0].tolist() == [-1, 0]
 
 
 def test_reroute_rounds_and_ties_to_the_lower_expert():
@@ -248,6 +260,7 @@ def test_k_equals_e_and_one_expert(gen):
     compare_admission(mr.RouterConfig(top_k=5), Adm.cipher_reroute(0.0, capacity_factor=0.5), z,
                       **_inputs(gen, 20, 5, 1))
     compare_admission(mr.RouterConfig(top_k=1), Adm.capacity_probs(0.5), randn(9, 1, gen=gen))
+    compare_admission(mr.RouterConfig(top_k=5, normalize=True), Adm.capacity_gate(0.5), z)
 
 
 def test_admission_thread_count_independent(gen):
@@ -307,6 +320,7 @@ def test_bad_admission_arguments(gen):
     norms = _inputs(gen, 8, 4, 1)
     cases = [
         (Adm("capacity", "position", "reroute"), {}, "overflow"),
+        (Adm("capacity", "gate", "reroute"), {}, "gate affinity exists for the routed slots only"),
         (Adm.capacity_probs(0.0), {}, "capacity_factor"),
         (Adm.capacity_probs(-1.0), {}, "capacity_factor"),
         (Adm("capacity", "position", "drop", threshold=0.1), {}, "threshold"),
