@@ -118,3 +118,10 @@ def test_the_snippet_of_docs_integration_md_patches_a_model():
     assert names["routers"] == 2
     with torch.no_grad():
         assert names["model"](torch.zeros(1, 4, dtype=torch.long)).logits.shape == (1, 4, 64)
+
+
+def test_patch_knows_exactly_the_families_from_hf_config_has_rules_for():
+    from moe_route import _hf
+
+    assert set(integration.FAMILIES) == set(_hf.FAMILIES)
+    assert set(MODELS) | {"llama4_text"} >= set(integration.FAMILIES)
