@@ -43,14 +43,16 @@ def _no_load_balance(config, k: int) -> Dict[str, Any]:
     return {}
 
 
-def _softmax_top_k(config) -> Dict[str, Any]:
-    """Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: top-k of the softmax, renormalised
-    when norm_topk_prob (Mixtral always)."""
-    if getattr(config, "router_jitter_noise", 0.0):
-        _refuse(f"router_jitter_noise={config.router_jitter_noise!r}",
-                "the jitter multiplies the router's input, before the logits the library takes")
-    normalize = config.model_type == "mixtral" or bool(getattr(config, "norm_topk_prob", False))
-    return {"gating": "softmax", "top_k": _top_k(config), "normalize": normalize}
+def _softmax_top_k(normalize: str) -> Callable[[Any], Dict[str, Any]]:
+    """Top-k of the softmax; renormalised "always", "never" or when the
+    configuration's norm_topk_prob says so ("flag")."""
+    def rule(config) -> Dict[str, Any]:
+        if getattr(config, "router_jitter_noise", 0.0):
+            _refuse(f"router_jitter_noise={config.router_jitter_noise!r}",
+                    "the jitter multiplies the router's input, before the logits the library takes")
+        renormalised = normalize == "always" or (normalize == "flag" and bool(getattr(config, "norm_topk_prob", False)))
+        return {"gating": "softmax", "top_k": _top_k(config), "normalize": renormalised}
+    return rule
 
 
 def _deepseek_v2(config) -> Dict[str, Any]:
@@ -66,15 +68,16 @@ def _deepseek_v2(config) -> Dict[str, Any]:
 
 
 def _deepseek_v3(config) -> Dict[str, Any]:
-    """DeepSeek-V3, GLM-4.5-MoE: sigmoid, the e_score_correction_bias in the choice
+    """DeepSeek-V3, GLM-4.5-MoE, dots.llm1, EXAONE-MoE: sigmoid, the e_score_correction_bias in the choice
     only (pass it as expert_bias), groups scored by their two largest s + b."""
     return {"gating": "sigmoid", "selection": "group_limited_bias", "top_k": _top_k(config),
             "normalize": bool(config.norm_topk_prob), "scaling_factor": float(config.routed_scaling_factor),
             "groups": int(config.n_group), "top_groups": int(config.topk_group), "per_group_k": 2}
 
 
-def _gpt_oss(config) -> Dict[str, Any]:
-    """gpt-oss: top-k of the logits (its router's linear bias included), softmax over them."""
+def _softmax_after_top_k(config) -> Dict[str, Any]:
+    """gpt-oss, Granite-MoE: top-k of the logits (gpt-oss's router's linear bias
+    included), softmax over them."""
     return {"gating": "softmax_after_topk", "top_k": _top_k(config), "normalize": False}
 
 
@@ -95,14 +98,22 @@ def _ernie4_5_moe(config) -> Dict[str, Any]:
 
 # model_type: (the router rule, the rule of the load-balancing loss the model adds).
 FAMILIES: Dict[str, Tuple[Callable[[Any], Dict[str, Any]], Callable[[Any, int], Dict[str, Any]]]] = {
-    "mixtral": (_softmax_top_k, _load_balance),
-    "qwen2_moe": (_softmax_top_k, _load_balance),
-    "qwen3_moe": (_softmax_top_k, _load_balance),
-    "olmoe": (_softmax_top_k, _load_balance),
+    "mixtral": (_softmax_top_k("always"), _load_balance),
+    "minimax": (_softmax_top_k("always"), _load_balance),
+    "qwen3_5_moe_text": (_softmax_top_k("always"), _load_balance),
+    "qwen2_moe": (_softmax_top_k("flag"), _load_balance),
+    "qwen3_moe": (_softmax_top_k("flag"), _load_balance),
+    "qwen3_next": (_softmax_top_k("flag"), _load_balance),
+    "olmoe": (_softmax_top_k("flag"), _load_balance),
+    "flex_olmo": (_softmax_top_k("flag"), _load_balance),
+    "jamba": (_softmax_top_k("never"), _load_balance),
     "deepseek_v2": (_deepseek_v2, _no_load_balance),
     "deepseek_v3": (_deepseek_v3, _no_load_balance),
     "glm4_moe": (_deepseek_v3, _no_load_balance),
-    "gpt_oss": (_gpt_oss, _load_balance),
+    "dots1": (_deepseek_v3, _no_load_balance),
+    "exaone_moe": (_deepseek_v3, _no_load_balance),
+    "gpt_oss": (_softmax_after_top_k, _load_balance),
+    "granitemoe": (_softmax_after_top_k, _load_balance),
     "llama4_text": (_llama4, _no_load_balance),
     "ernie4_5_moe": (_ernie4_5_moe, _unbiased_load_balance),
 }
@@ -112,9 +123,9 @@ def router_fields(config, with_load_balance: bool = True) -> Dict[str, Any]:
     """RouterConfig fields of a transformers model configuration (a
     PretrainedConfig); without the load-balancing loss when the model keeps
     computing its own (integrations.transformers.patch)."""
+    if hasattr(config, "get_text_config"):  # a multimodal configuration holds the text model's (Llama 4, Qwen3.5)
+        config = config.get_text_config()
     model_type = getattr(config, "model_type", None)
-    if model_type == "llama4":  # the multimodal configuration holds the text model's
-        config, model_type = config.get_text_config(), "llama4_text"
     if model_type not in FAMILIES:
         _refuse(f"model_type={model_type!r}", f"the families with a rule are {sorted(FAMILIES)}")
     rule, load_balance = FAMILIES[model_type]

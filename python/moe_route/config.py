@@ -112,9 +112,11 @@ class RouterConfig(_Fields):
     @classmethod
     def from_hf_config(cls, config) -> "RouterConfig":
         """The router of a Hugging Face transformers MoE model, from its
-        configuration (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2,
-        DeepSeek-V3, GLM-4.5-MoE, gpt-oss, Llama 4, Ernie 4.5). Under
-        DeepSeek-V3, GLM-4.5 and Ernie 4.5 pass the router's
+        configuration: Mixtral, MiniMax, Qwen2-MoE, Qwen3-MoE, Qwen3-Next,
+        Qwen3.5-MoE, OLMoE, FlexOlmo, Jamba, DeepSeek-V2, DeepSeek-V3,
+        GLM-4.5-MoE, dots.llm1, EXAONE-MoE, gpt-oss, Granite-MoE, Llama 4 and
+        Ernie 4.5. Under the sigmoid families with a correction bias
+        (DeepSeek-V3 and its kin) and Ernie 4.5 pass the router's
         e_score_correction_bias as expert_bias. Raises ValueError naming the
         model type or setting it does not reproduce (docs/integration.md)."""
         return cls(**_hf.router_fields(config))

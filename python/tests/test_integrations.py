@@ -120,8 +120,15 @@ def test_the_snippet_of_docs_integration_md_patches_a_model():
         assert names["model"](torch.zeros(1, 4, dtype=torch.long)).logits.shape == (1, 4, 64)
 
 
-def test_patch_knows_exactly_the_families_from_hf_config_has_rules_for():
+def test_patch_knows_families_from_hf_config_has_rules_for_and_refuses_the_others():
     from moe_route import _hf
 
-    assert set(integration.FAMILIES) == set(_hf.FAMILIES)
-    assert set(MODELS) | {"llama4_text"} >= set(integration.FAMILIES)
+    assert set(integration.FAMILIES) <= set(_hf.FAMILIES)
+    assert set(MODELS) | {"llama4_text"} >= set(integration.FAMILIES)  # each has a model test
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        granite = tf.GraniteMoeForCausalLM(tf.GraniteMoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=16,
+                                                               num_hidden_layers=1, num_attention_heads=2,
+                                                               num_local_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match="patch has no router rule for model_type='granitemoe'"):
+        integration.patch(granite)

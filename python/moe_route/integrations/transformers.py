@@ -112,7 +112,7 @@ def patch(model: torch.nn.Module, *, threads: Optional[int] = None) -> int:
     if config is None:
         raise ValueError("moe_route: patch needs a transformers model (a module with a .config)")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    model_type = "llama4_text" if text.model_type == "llama4" else text.model_type
+    model_type = text.model_type
     router_config = RouterConfig(**_hf.router_fields(text, with_load_balance=False))
     family = FAMILIES.get(model_type)
     if family is None:
