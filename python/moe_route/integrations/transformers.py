@@ -32,6 +32,10 @@ def _linear_fp32(module, hidden):
     return F.linear(hidden.reshape(-1, module.weight.shape[1]).float(), module.weight.float())
 
 
+def _linear_then_fp32(module, hidden):
+    return F.linear(hidden.reshape(-1, module.weight.shape[1]), module.weight).float()
+
+
 def _linear_with_bias(module, hidden):
     return F.linear(hidden.reshape(-1, module.weight.shape[1]), module.weight, module.bias)
 
@@ -63,13 +67,21 @@ def _hidden_dtype(logits, hidden):
 _STANDARD = dict(logits=_linear, bias=_no_bias, gate_dtype=_logits_dtype)
 FAMILIES: Dict[str, _Family] = {
     "mixtral": _Family("MixtralTopKRouter", _linear, _no_bias, _float32),
+    "minimax": _Family("MiniMaxTopKRouter", _linear, _no_bias, _float32),
     "qwen2_moe": _Family("Qwen2MoeTopKRouter", **_STANDARD),
     "qwen3_moe": _Family("Qwen3MoeTopKRouter", **_STANDARD),
+    "qwen3_next": _Family("Qwen3NextTopKRouter", **_STANDARD),
+    "qwen3_5_moe_text": _Family("Qwen3_5MoeTopKRouter", **_STANDARD),
     "olmoe": _Family("OlmoeTopKRouter", **_STANDARD),
+    "flex_olmo": _Family("FlexOlmoTopKRouter", **_STANDARD),
+    "jamba": _Family("JambaTopKRouter", _linear, _no_bias, _hidden_dtype),
     "deepseek_v2": _Family("DeepseekV2TopkRouter", _linear_fp32, _no_bias, _float32),
     "deepseek_v3": _Family("DeepseekV3TopkRouter", _linear_fp32, _correction_bias, _float32),
     "glm4_moe": _Family("Glm4MoeTopkRouter", _linear_fp32, _correction_bias, _float32),
+    "dots1": _Family("Dots1TopkRouter", _linear_fp32, _correction_bias, _float32),
+    "exaone_moe": _Family("ExaoneMoeTopkRouter", _linear_fp32, _correction_bias, _float32),
     "gpt_oss": _Family("GptOssTopKRouter", _linear_with_bias, _no_bias, _logits_dtype),
+    "granitemoe": _Family("GraniteMoeTopKRouter", _linear_then_fp32, _no_bias, _hidden_dtype),
     "llama4_text": _Family("Llama4Router", _linear, _no_bias, _logits_dtype, dense_scores=True),
     "ernie4_5_moe": _Family("Ernie4_5_MoeTopKRouter", _linear_fp32, _ernie_bias, _hidden_dtype),
 }
@@ -103,7 +115,7 @@ def _patched_class(cls: type) -> type:
 
 def patch(model: torch.nn.Module, *, threads: Optional[int] = None) -> int:
     """Makes every router of `model` (a transformers MoE model of a family
-    RouterConfig.from_hf_config knows) route with the library; returns how
+    RouterConfig.from_hf_config knows, all eighteen) route with the library; returns how
     many were patched. The module keeps its class name, parameters and
     buffers; only its forward changes. The model's own load-balancing loss
     still comes from the router logits, so the library adds no penalty of its
