@@ -27,6 +27,7 @@
 #include <moe_route/selection/expert_bias.hpp>
 #include <moe_route/selection/expert_choice.hpp>
 #include <moe_route/selection/fixed.hpp>
+#include <moe_route/selection/by_score.hpp>
 #include <moe_route/selection/group_limited.hpp>
 #include <moe_route/selection/top_k.hpp>
 #include <moe_route/training/load_fractions.hpp>

@@ -117,16 +117,10 @@ def router_fields(m: Dict[str, Any]) -> Dict[str, Any]:
             _refuse("moe_router_enable_expert_bias", True, "Megatron applies the expert bias only to sigmoid scores")
         pre = bool(m["moe_router_pre_softmax"])
         f.update(gating="softmax" if pre else "softmax_after_topk", normalize=False)
-        if grouped and pre:
-            _refuse("moe_router_group_topk", group_topk,
-                    "with moe_router_pre_softmax=True Megatron scores groups by softmax probabilities, the "
-                    "library's group_limited by logits")
+        group_key = "group_limited_score" if pre else "group_limited"  # Megatron's groups: probabilities or logits
     elif score == "sigmoid":
         f.update(gating="sigmoid", normalize=k > 1)  # Megatron leaves a single sigmoid gate unnormalised
-        if grouped and not biased:
-            _refuse("moe_router_group_topk", group_topk,
-                    "without an expert bias Megatron scores groups by sigmoid scores, the library's group_limited "
-                    "by logits")
+        group_key = "group_limited_bias" if biased else "group_limited_score"
     else:
         _refuse("moe_router_score_function", score, "Megatron's score functions are 'softmax' and 'sigmoid'")
     if grouped:
@@ -136,8 +130,7 @@ def router_fields(m: Dict[str, Any]) -> Dict[str, Any]:
         if k < top_groups:
             _refuse("moe_router_group_topk", group_topk,
                     f"Megatron scores each group by its top moe_router_topk // group_topk = {k // top_groups} scores")
-        f.update(selection="group_limited_bias" if biased else "group_limited", groups=int(groups),
-                 top_groups=top_groups, per_group_k=k // top_groups)
+        f.update(selection=group_key, groups=int(groups), top_groups=top_groups, per_group_k=k // top_groups)
     elif biased:
         f["selection"] = "expert_bias"
     if biased:

@@ -10,7 +10,7 @@ from typing import Optional
 from . import _C, _hf, _megatron
 
 GATINGS = ("softmax", "sigmoid", "sqrt_softplus", "softmax_after_topk")
-SELECTIONS = ("top_k", "expert_bias", "group_limited", "group_limited_bias", "fixed")
+SELECTIONS = ("top_k", "expert_bias", "group_limited", "group_limited_bias", "group_limited_score", "fixed")
 PRIORS = ("none", "log_prior_bias", "prior_override")
 PENALTIES = tuple(_C.penalty_names)
 
@@ -72,7 +72,7 @@ class RouterConfig(_Fields):
     top_k: int = 2
     normalize: Optional[bool] = None
     scaling_factor: float = 1.0
-    # group_limited / group_limited_bias
+    # group_limited (groups keyed on logits) / group_limited_score (on scores s) / group_limited_bias (on s + b)
     groups: int = 1
     top_groups: int = 1
     per_group_k: int = 2

@@ -107,12 +107,13 @@ def order_desc(keys: torch.Tensor, level: Optional[torch.Tensor] = None) -> torc
 
 
 def selection_keys(selection: str, gating: str, v: torch.Tensor, expert_bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """top_k keys on the sanitised logit; expert_bias on s + b, with a NaN logit at -inf."""
+    """top_k keys on the sanitised logit; group_limited_score on s and expert_bias
+    on s + b, with a NaN logit at -inf."""
     v = v.detach()
     if selection in ("top_k", "group_limited"):
         return v.clone()
     s = scores(gating, v)
-    key = s + expert_bias.to(F64)
+    key = s if selection == "group_limited_score" else s + expert_bias.to(F64)
     return torch.where(v == -INF, torch.full_like(key, -INF), key)
 
 
@@ -124,7 +125,7 @@ def select(v: torch.Tensor, *, gating: str, selection: str, top_k: int, groups: 
         t = torch.arange(n).unsqueeze(1)
         return (t * top_k + torch.arange(top_k).unsqueeze(0)) % e
     keys = selection_keys(selection, gating, v, expert_bias)
-    if selection in ("group_limited", "group_limited_bias"):
+    if selection in ("group_limited", "group_limited_bias", "group_limited_score"):
         size = e // groups
         per_group = keys.reshape(n, groups, size)
         best = per_group.gather(-1, order_desc(per_group)[..., :per_group_k]).to(torch.float32)

@@ -102,6 +102,11 @@ CASES = {
                                moe_aux_loss_coeff=1e-2),
     "softmax_grouped": dict(moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
                             moe_z_loss_coeff=1e-3),
+    # groups scored by their top probabilities (DeepSeek-V2 in Megatron) and by sigmoid scores
+    "pre_softmax_grouped": dict(moe_router_topk=6, moe_router_pre_softmax=True, moe_router_num_groups=8,
+                                moe_router_group_topk=3, moe_router_topk_scaling_factor=1.5),
+    "sigmoid_grouped": dict(moe_router_topk=4, moe_router_score_function="sigmoid", moe_router_num_groups=4,
+                            moe_router_group_topk=2, moe_z_loss_coeff=1e-3),
     "sigmoid": dict(moe_router_topk=4, moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5,
                     moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
     "sigmoid_single_gate": dict(moe_router_topk=1, moe_router_score_function="sigmoid", moe_aux_loss_coeff=1e-2),
@@ -322,9 +327,6 @@ def test_global_load_balance_sums_over_ranks_through_the_callers_all_reduce():
 
 
 REFUSED = [
-    (dict(moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2),
-     "moe_router_group_topk=2"),
-    (dict(moe_router_pre_softmax=True, moe_router_num_groups=4, moe_router_group_topk=2), "moe_router_group_topk=2"),
     (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_aux_loss_coeff=1e-2),
      "moe_aux_loss_coeff=0.01"),
     (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),

@@ -12,12 +12,12 @@ import reference as ref
 from helpers import GATINGS, assert_close, assert_grad, compare_route, fields, prepared_prior, randn
 
 nan, inf = math.nan, math.inf
-SELECTIONS = ("top_k", "expert_bias", "group_limited", "group_limited_bias", "fixed")
+SELECTIONS = ("top_k", "expert_bias", "group_limited", "group_limited_bias", "group_limited_score", "fixed")
 
 
-# softmax_after_topk has no scores before selection, so it cannot key on s + b
+# softmax_after_topk has no scores before selection, so it cannot key on s or s + b
 COMBINATIONS = [(g, s) for g in GATINGS for s in SELECTIONS
-                if not (g == "softmax_after_topk" and s in ("expert_bias", "group_limited_bias"))]
+                if not (g == "softmax_after_topk" and s in ("expert_bias", "group_limited_bias", "group_limited_score"))]
 
 
 @pytest.mark.parametrize("gating,selection", COMBINATIONS)

@@ -153,7 +153,7 @@ inline double sqrt_softplus(double x) { return std::sqrt(softplus(x)); }
 // Router description, read from the public router type and its members.
 
 enum class gate_kind { softmax, sigmoid, sqrt_softplus, softmax_after_topk };
-enum class key_kind { logit, biased_score, fixed };
+enum class key_kind { logit, score, biased_score, fixed };
 
 struct spec {
   gate_kind gate = gate_kind::softmax;
@@ -187,6 +187,7 @@ spec spec_of(const Router& r) {
   else if constexpr (std::is_same_v<G, mr::gating::sqrt_softplus>) sp.gate = gate_kind::sqrt_softplus;
   else sp.gate = gate_kind::softmax_after_topk;
   if constexpr (std::is_same_v<Key, mr::selection::top_k>) sp.key = key_kind::logit;
+  else if constexpr (std::is_same_v<Key, mr::selection::by_score>) sp.key = key_kind::score;
   else if constexpr (std::is_same_v<Key, mr::selection::expert_bias>) sp.key = key_kind::biased_score;
   else sp.key = key_kind::fixed;
   if constexpr (group_traits<S>::grouped) {
@@ -292,7 +293,8 @@ inline selection_result select(const spec& sp, const std::vector<double>& v, con
   r.key.resize(E);
   for (int e = 0; e < E; ++e) {
     if (v[e] == -inf()) r.key[e] = -inf();  // NaN logit: below every number
-    else r.key[e] = sp.key == key_kind::logit ? v[e] : s[e] + static_cast<double>(bias[e]);
+    else if (sp.key == key_kind::logit) r.key[e] = v[e];
+    else r.key[e] = sp.key == key_kind::score ? s[e] : s[e] + static_cast<double>(bias[e]);
   }
   std::vector<int> candidates;
   if (sp.grouped) {
@@ -609,7 +611,7 @@ template <class Router, class T>
 check_stats check_route(const Router& r, const std::vector<T>& z, std::int64_t N, int E, const float* bias,
                         const lib_result& lib, double gate_rtol = 2e-6, double key_tol = -1.0) {
   const spec sp = spec_of(r);
-  if (key_tol < 0) key_tol = sp.key == key_kind::biased_score ? 4e-6 : 0.0;
+  if (key_tol < 0) key_tol = sp.key == key_kind::biased_score || sp.key == key_kind::score ? 4e-6 : 0.0;
   check_stats st;
   const int K = sp.K;
   for (std::int64_t t = 0; t < N; ++t) {

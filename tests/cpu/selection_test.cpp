@@ -436,6 +436,8 @@ TEST_CASE_TEMPLATE("group_limited: random rows against the sort-based and brute-
     run_one(router<mr::gating::sigmoid, sel::group_limited<sel::expert_bias>>{}, sh, true);
     run_one(router<mr::gating::softmax, sel::group_limited<sel::expert_bias>>{}, sh, true);
     run_one(router<mr::gating::sqrt_softplus, sel::group_limited<sel::expert_bias>>{}, sh, true);
+    run_one(router<mr::gating::softmax, sel::group_limited<sel::by_score>>{}, sh, true);
+    run_one(router<mr::gating::sigmoid, sel::group_limited<sel::by_score>>{}, sh, true);
   }
 }
 

@@ -1166,13 +1166,14 @@ GPU_TEST_CASE("runtime routers: runtime::cuda equals the CPU runtime calls bit f
                                      rt::gating_kind::softmax_after_topk};
   const rt::selection_kind selections[] = {rt::selection_kind::top_k, rt::selection_kind::expert_bias,
                                            rt::selection_kind::group_limited, rt::selection_kind::group_limited_bias,
-                                           rt::selection_kind::fixed};
+                                           rt::selection_kind::group_limited_score, rt::selection_kind::fixed};
   for (const int E : {64, 37}) {
     for (const auto gating : gatings) {
       for (const auto selection : selections) {
-        const bool grouped = selection == rt::selection_kind::group_limited ||
-                             selection == rt::selection_kind::group_limited_bias;
-        if (gating == rt::gating_kind::softmax_after_topk && rt::selection_uses_bias(selection)) continue;
+        const bool grouped = rt::selection_is_grouped(selection);
+        if (gating == rt::gating_kind::softmax_after_topk &&
+            (rt::selection_uses_bias(selection) || selection == rt::selection_kind::group_limited_score))
+          continue;
         if (grouped && E % 8 != 0) continue;
         for (const auto prior : {rt::prior_kind::none, rt::prior_kind::log_prior_bias, rt::prior_kind::prior_override}) {
           rt::router_config c;

@@ -230,6 +230,7 @@ void sweep_gating(std::mt19937& g, const char* gn) {
   if constexpr (Gt::shape != gat::kind::selected_softmax) {
     { mr::router<Gt, sel::expert_bias, 8> r; sweep_router<decltype(r), T>(r, name("expert_bias"), g); }
     { mr::router<Gt, sel::group_limited<sel::expert_bias>, 8> r; r.scaling_factor = 2.5f; sweep_router<decltype(r), T>(r, name("gl<expert_bias>"), g); }
+    { mr::router<Gt, sel::group_limited<sel::by_score>, 8> r; sweep_router<decltype(r), T>(r, name("gl<by_score>"), g); }
   }
 }
 

@@ -31,6 +31,7 @@
 #include <moe_route/router.hpp>
 #include <moe_route/selection/expert_bias.hpp>
 #include <moe_route/selection/fixed.hpp>
+#include <moe_route/selection/by_score.hpp>
 #include <moe_route/selection/group_limited.hpp>
 #include <moe_route/selection/top_k.hpp>
 #include <moe_route/training/workspace.hpp>
@@ -39,7 +40,7 @@
 namespace moe_route::runtime {
 
 enum class gating_kind { softmax, sigmoid, sqrt_softplus, softmax_after_topk };
-enum class selection_kind { top_k, expert_bias, group_limited, group_limited_bias, fixed };
+enum class selection_kind { top_k, expert_bias, group_limited, group_limited_bias, fixed, group_limited_score };
 enum class prior_kind { none, log_prior_bias, prior_override };
 
 // The MaxK of every runtime router: the largest top_k a router_config takes.
@@ -87,6 +88,11 @@ inline bool selection_uses_bias(selection_kind s) {
   return s == selection_kind::expert_bias || s == selection_kind::group_limited_bias;
 }
 
+inline bool selection_is_grouped(selection_kind s) {
+  return s == selection_kind::group_limited || s == selection_kind::group_limited_bias ||
+         s == selection_kind::group_limited_score;
+}
+
 // Checks what no router type can check at compile time here; the message
 // names the field. Shape-dependent checks (K <= E, groups dividing E) are the
 // backend's, made when the logits are known.
@@ -94,10 +100,11 @@ inline void validate(const router_config& c) {
   auto fail = [](const std::string& m) { throw error("moe_route: router_config." + m); };
   if (c.top_k < 1 || c.top_k > router_max_k)
     fail("top_k (= " + std::to_string(c.top_k) + ") must be in [1, " + std::to_string(router_max_k) + "]");
-  if (c.gating == gating_kind::softmax_after_topk && selection_uses_bias(c.selection))
+  if (c.gating == gating_kind::softmax_after_topk &&
+      (selection_uses_bias(c.selection) || c.selection == selection_kind::group_limited_score))
     fail("selection: softmax_after_topk has scores only after selection, so it cannot key on s + b "
-         "(expert_bias); use softmax or sigmoid gating");
-  if (c.selection == selection_kind::group_limited || c.selection == selection_kind::group_limited_bias) {
+         "(expert_bias) or s (group_limited_score); use softmax or sigmoid gating");
+  if (selection_is_grouped(c.selection)) {
     if (c.groups < 1) fail("groups (= " + std::to_string(c.groups) + ") must be >= 1");
     if (c.top_groups < 1 || c.top_groups > c.groups)
       fail("top_groups (= " + std::to_string(c.top_groups) + ") must be in [1, groups]");
@@ -180,12 +187,15 @@ decltype(auto) visit_router_with(const router_config& c, F&& f) {
   switch (c.selection) {
     case selection_kind::expert_bias:
     case selection_kind::group_limited_bias:
+    case selection_kind::group_limited_score:
       if constexpr (Gating::shape == gating::kind::selected_softmax) {
         break;  // rejected by validate()
       } else if (c.selection == selection_kind::expert_bias) {
         return detail::visit_prior<Gating, expert_bias>(c, f);
-      } else {
+      } else if (c.selection == selection_kind::group_limited_bias) {
         return detail::visit_prior<Gating, group_limited<expert_bias>>(c, f);
+      } else {
+        return detail::visit_prior<Gating, group_limited<by_score>>(c, f);
       }
     case selection_kind::group_limited: return detail::visit_prior<Gating, group_limited<top_k>>(c, f);
     case selection_kind::fixed: return detail::visit_prior<Gating, fixed>(c, f);

@@ -10,12 +10,12 @@ namespace moe_route::selection {
 // The E experts form `groups` equal contiguous groups. A group's score is the
 // sum of its `per_group_k` largest keys, added in descending key order; the
 // `top_groups` best groups are kept (ties to the lower group index) and the
-// top-K runs over their union. Key is the per-expert key policy: top_k (logits)
-// or expert_bias (s + b, as DeepSeek-V3 does).
+// top-K runs over their union. Key is the per-expert key policy: top_k (logits),
+// by_score (s) or expert_bias (s + b, as DeepSeek-V3 does).
 template <class Key = top_k>
 struct group_limited {
   static_assert(is_selection<Key> && Key::shape == kind::keyed,
-                "group_limited<Key>: Key must be a keyed selection (top_k or expert_bias)");
+                "group_limited<Key>: Key must be a keyed selection (top_k, by_score or expert_bias)");
   static constexpr kind shape = kind::grouped;
   static constexpr bool needs_expert_bias = Key::needs_expert_bias;
   static constexpr bool needs_scores = Key::needs_scores;

@@ -84,6 +84,7 @@ inline constexpr std::pair<const char*, runtime::selection_kind> selection_names
     {"expert_bias", runtime::selection_kind::expert_bias},
     {"group_limited", runtime::selection_kind::group_limited},
     {"group_limited_bias", runtime::selection_kind::group_limited_bias},
+    {"group_limited_score", runtime::selection_kind::group_limited_score},
     {"fixed", runtime::selection_kind::fixed}};
 inline constexpr std::pair<const char*, runtime::prior_kind> prior_names[] = {
     {"none", runtime::prior_kind::none},
