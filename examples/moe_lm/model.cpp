@@ -343,7 +343,7 @@ class expert_choice_function : public torch::autograd::Function<expert_choice_fu
     std::optional<torch::Tensor> groups;
     if (!st->group_ids.empty()) groups = on_device(st->group_ids, st->logits.device());
     const auto r = moe_route::adapters::expert_choice(st->policy, st->logits, groups, st->num_groups, std::nullopt,
-                                                      st->threads);
+                                                      std::nullopt, st->threads);
     st->indices = r.indices;
     ctx->saved_data["state"] = c10::IValue::make_capsule(c10::intrusive_ptr<torch::CustomClassHolder>(st));
     return {r.gates};
@@ -356,7 +356,7 @@ class expert_choice_function : public torch::autograd::Function<expert_choice_fu
     const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(st->logits.device());
     const torch::Tensor grad_gates =
         grads[0].defined() ? grads[0].to(torch::kFloat32).contiguous() : torch::zeros(st->logits.sizes(), f32);
-    return {moe_route::adapters::expert_choice_backward(st->logits, st->indices, grad_gates, st->threads),
+    return {moe_route::adapters::expert_choice_backward(st->logits, st->indices, grad_gates, std::nullopt, st->threads),
             torch::Tensor()};
   }
 };

@@ -58,6 +58,11 @@ struct float16 {
 namespace detail {
 
 MOE_ROUTE_HD float to_float(float x) { return x; }
+
+// Whether token t is padding under a token mask (null: no token is).
+MOE_ROUTE_HD bool token_masked(const std::uint8_t* token_mask, std::int64_t t) {
+  return token_mask != nullptr && token_mask[t] == 0;
+}
 MOE_ROUTE_HD float to_float(bfloat16 x) { return bits_to_float(static_cast<std::uint32_t>(x.bits) << 16); }
 MOE_ROUTE_HD float to_float(float16 x) {
   const std::uint32_t sign = static_cast<std::uint32_t>(x.bits & 0x8000u) << 16;
@@ -95,6 +100,10 @@ struct route_inputs {
   std::int64_t num_tokens = 0;          // N >= 0
   int num_experts = 0;                  // E in [1, max_experts]
   const float* expert_bias = nullptr;   // [E], selection::expert_bias only
+  // Valid-token mask (docs/policies.md, "Token mask"): 0 marks a padding token,
+  // routed nowhere (indices -1, gates 0), in no penalty, count or gradient, its
+  // row never read; null: every token is valid.
+  const std::uint8_t* token_mask = nullptr;  // [N]
 
   // Training policies (router<..., Policies...>). mode::eval turns every prior
   // policy and penalty off, so the same inputs can be probed bias-free.

@@ -38,11 +38,11 @@ def _on_device_of(first, first_name, **tensors):
 @torch.library.register_fake("moe_route::route")
 def _route_fake(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids, num_sequences,
                 load_fractions, expert_rank, rank, training, admission, hidden_norms, weight_norms, group_ids,
-                num_groups, capacity, threads):
+                num_groups, capacity, token_mask, threads):
     _on_device_of(logits, "logits", expert_bias=expert_bias, prior_bias=prior_bias, prior_probs=prior_probs,
                   token_prior_row=token_prior_row, sequence_ids=sequence_ids, load_fractions=load_fractions,
                   expert_rank=expert_rank, hidden_norms=hidden_norms, weight_norms=weight_norms, group_ids=group_ids,
-                  capacity=capacity)
+                  capacity=capacity, token_mask=token_mask)
     n, e = logits.shape
     top_k, fixed, per_value, chunk = _C.route_shape(config, int(e), int(num_sequences))
     workspace = fixed + per_value * (n + (n + chunk - 1) // chunk)
@@ -55,8 +55,8 @@ def _route_fake(logits, config, expert_bias, prior_bias, prior_probs, token_prio
 
 
 @torch.library.register_fake("moe_route::select_experts")
-def _select_experts_fake(logits, config, expert_bias, threads):
-    _on_device_of(logits, "logits", expert_bias=expert_bias)
+def _select_experts_fake(logits, config, expert_bias, token_mask, threads):
+    _on_device_of(logits, "logits", expert_bias=expert_bias, token_mask=token_mask)
     top_k = _C.route_shape(config, int(logits.shape[1]), 0)[0]
     return (_empty((logits.shape[0], top_k), torch.float32, logits),
             _empty((logits.shape[0], top_k), torch.int32, logits))
@@ -69,9 +69,10 @@ def _route_backward_fake(grad_gates, grad_penalties, logits, *rest):
 
 @torch.library.register_fake("moe_route::admit")
 def _admit_fake(logits, config, admission, routed_indices, routed_gates, hidden_norms, weight_norms, group_ids,
-                num_groups, capacity, threads):
+                num_groups, capacity, token_mask, threads):
     _on_device_of(logits, "logits", routed_indices=routed_indices, routed_gates=routed_gates,
-                  hidden_norms=hidden_norms, weight_norms=weight_norms, group_ids=group_ids, capacity=capacity)
+                  hidden_norms=hidden_norms, weight_norms=weight_norms, group_ids=group_ids, capacity=capacity,
+                  token_mask=token_mask)
     n, k = routed_indices.shape
     return (_empty((n, k), torch.int32, logits), _empty((n, k), torch.float32, logits),
             _empty((n, k), torch.int8, logits), _empty((len(ADMISSION_REPORT),), torch.int64, logits))
@@ -92,15 +93,16 @@ def _dispatch_fake(indices, num_experts, align, num_ranks, expert_rank):
 
 
 @torch.library.register_fake("moe_route::expert_choice")
-def _expert_choice_fake(logits, top_k, capacity_factor, min_capacity, group_ids, num_groups, capacity, threads):
-    _on_device_of(logits, "logits", group_ids=group_ids, capacity=capacity)
+def _expert_choice_fake(logits, top_k, capacity_factor, min_capacity, group_ids, num_groups, capacity, token_mask,
+                        threads):
+    _on_device_of(logits, "logits", group_ids=group_ids, capacity=capacity, token_mask=token_mask)
     n, e = logits.shape
     return (_empty((n, e), torch.float32, logits), _empty((n, e), torch.int32, logits),
             _empty((n,), torch.int32, logits), _empty((len(EXPERT_CHOICE_REPORT),), torch.int64, logits))
 
 
 @torch.library.register_fake("moe_route::expert_choice_backward")
-def _expert_choice_backward_fake(grad_gates, logits, indices, threads):
+def _expert_choice_backward_fake(grad_gates, logits, indices, token_mask, threads):
     return torch.empty_like(logits, dtype=torch.float32)
 
 

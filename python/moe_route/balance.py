@@ -35,22 +35,33 @@ class GlobalLoadBalance:
         self.loads: Optional[Tensor] = None  # float32 [E]: summed over the steps so far
         self.steps = 0
 
-    def load_fractions(self, logits: Tensor) -> Tensor:
-        """Adds the loads of this micro-batch's logits [n, E] and returns f [E] float32."""
+    def load_fractions(self, logits: Tensor, token_mask: Optional[Tensor] = None) -> Tensor:
+        """Adds the loads of this micro-batch's logits [n, E] and returns f [E] float32.
+        token_mask [n] bool (False: padding) leaves padding rows out of the loads
+        and of n and T, as route leaves them out of P (pass route the same mask)."""
         if logits.dim() != 2 or logits.shape[1] != self.num_experts:
             raise ValueError(f"moe_route: GlobalLoadBalance expects logits [tokens, {self.num_experts}], "
                              f"got {list(logits.shape)}")
+        if token_mask is not None and (token_mask.dtype != torch.bool or token_mask.shape != logits.shape[:1]):
+            raise ValueError(f"moe_route: GlobalLoadBalance token_mask must be torch.bool [{logits.shape[0]}], got "
+                             f"{token_mask.dtype} {list(token_mask.shape)}")
         with torch.no_grad():
-            chosen = torch.topk(logits.float(), self.top_k, dim=1).indices.reshape(-1)
+            chosen = torch.topk(logits.float(), self.top_k, dim=1).indices
+            weight = torch.ones_like(chosen, dtype=torch.float32)
+            if token_mask is not None:
+                weight = weight * token_mask.to(torch.float32).unsqueeze(1)
             loads = torch.zeros(self.num_experts, dtype=torch.float32, device=logits.device)
-            loads.index_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
-            tokens = torch.full((), float(logits.shape[0]), dtype=torch.float32, device=logits.device)
+            loads.index_add_(0, chosen.reshape(-1), weight.reshape(-1))
+            local = weight[:, 0].sum() if token_mask is not None else torch.full(
+                (), float(logits.shape[0]), dtype=torch.float32, device=logits.device)
+            tokens = local.clone()
             if self.all_reduce is not None:
                 self.all_reduce(loads)
                 self.all_reduce(tokens)
             self.loads = loads if self.loads is None else self.loads + loads
             self.steps += 1
-            return self.loads / self.steps * float(logits.shape[0]) / (self.top_k * tokens * tokens)
+            # An all-padding global batch has no loads: f = 0 rather than 0/0.
+            return self.loads / self.steps * local / (self.top_k * torch.clamp(tokens, min=1.0) ** 2)
 
     def reset(self) -> None:
         """Starts the next optimizer step's global batch."""

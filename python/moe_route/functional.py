@@ -114,6 +114,7 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
           group_ids: Optional[Tensor] = None, num_groups: int = 1,
           hidden_norms: Optional[Tensor] = None, weight_norms: Optional[Tensor] = None,
           capacity: Optional[Tensor] = None,
+          token_mask: Optional[Tensor] = None,
           dispatch_align: int = 1, num_ranks: Optional[int] = None,
           threads: Optional[int] = None) -> RouteResult:
     """Route logits [N, E] with `config`; optionally admit with `admission`
@@ -125,6 +126,9 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
     penalty and the per-rank dispatch counts (num_ranks: the number of ranks,
     by default read from expert_rank, which waits for its device); group_ids [N]
     are the admission groups (one per expert-parallel rank's micro-batch).
+    token_mask [N] bool marks the valid tokens (False: padding): a padding token
+    gets indices -1 and gates 0 and is in no loss, count, capacity or gradient
+    (docs/policies.md, "Token mask").
     """
     if not isinstance(config, RouterConfig):
         raise TypeError(f"moe_route: config must be a RouterConfig, got {type(config).__name__}")
@@ -145,7 +149,7 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
         z, config.to_text(), expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
         0 if num_sequences is None else int(num_sequences), load_fractions, expert_rank, int(rank), bool(training),
         admission.to_text() if admitting else "", hidden_norms, weight_norms, group_ids, int(num_groups), capacity,
-        _threads(threads))
+        token_mask, _threads(threads))
     if num_ranks is None:
         num_ranks = int(expert_rank.max().item()) + 1 if expert_rank is not None and expert_rank.numel() else 1
     meta = dispatch(indices, z.shape[1], align=dispatch_align, num_ranks=num_ranks, expert_rank=expert_rank)
@@ -159,16 +163,18 @@ _select_experts = ops.select_experts.default
 
 
 def select_experts(logits: Tensor, config: RouterConfig, *, expert_bias: Optional[Tensor] = None,
-                   threads: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+                   token_mask: Optional[Tensor] = None, threads: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """Inference routing, the decode path (torch.ops.moe_route.select_experts):
     (gates [N, K] float32, indices [N, K] int32) of logits [N, E] float32,
     bfloat16 or float16 -- the gates and indices route(..., training=False)
     gives, with nothing else computed. For calls under torch.no_grad() or
     torch.inference_mode(): its gates have no gradient, so it refuses logits
-    that require one (use route to train)."""
+    that require one (use route to train). token_mask [N] bool: padding rows
+    (False) get indices -1 and gates 0, as SGLang's num_token_non_padded."""
     if not isinstance(config, RouterConfig):
         raise TypeError(f"moe_route: config must be a RouterConfig, got {type(config).__name__}")
-    return _select_experts(logits, config.to_text(), expert_bias, _default_threads() if threads is None else threads)
+    return _select_experts(logits, config.to_text(), expert_bias, token_mask,
+                           _default_threads() if threads is None else threads)
 
 
 @dataclass
@@ -186,12 +192,15 @@ class ExpertChoiceResult:
 
 def expert_choice(logits: Tensor, *, top_k: int = 2, capacity_factor: float = 1.0, min_capacity: int = 0,
                   group_ids: Optional[Tensor] = None, num_groups: int = 1, capacity: Optional[Tensor] = None,
+                  token_mask: Optional[Tensor] = None,
                   dispatch_align: int = 1, num_ranks: int = 1, expert_rank: Optional[Tensor] = None,
                   threads: Optional[int] = None) -> ExpertChoiceResult:
-    """Expert-choice routing (each expert picks its top-C tokens by softmax score)."""
+    """Expert-choice routing (each expert picks its top-C tokens by softmax score);
+    no expert picks a padding token (token_mask [N] bool False)."""
     z = _as_logits(logits)
     gates, indices, per_token, counts = ops.expert_choice(z, int(top_k), float(capacity_factor), int(min_capacity),
-                                                          group_ids, int(num_groups), capacity, _threads(threads))
+                                                          group_ids, int(num_groups), capacity, token_mask,
+                                                          _threads(threads))
     meta = dispatch(indices, z.shape[1], align=dispatch_align, num_ranks=num_ranks, expert_rank=expert_rank)
     return ExpertChoiceResult(indices, gates, per_token, meta, counts)
 

@@ -63,9 +63,9 @@ class Router(nn.Module):
         return route(logits, self.config, training=self.training, expert_bias=self.expert_bias,
                      prior_bias=self.prior_bias, prior_probs=self.prior_probs, admission=self.admission, **kwargs)
 
-    def select_experts(self, hidden: torch.Tensor):
+    def select_experts(self, hidden: torch.Tensor, token_mask: Optional[torch.Tensor] = None):
         """Inference routing of hidden states [..., d] (moe_route.select_experts):
         (gates [N, K] float32, indices [N, K] int32), as forward() in eval mode
         gives them. Call under torch.no_grad() or torch.inference_mode()."""
         logits = nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), self.weight)
-        return select_experts(logits, self.config, expert_bias=self.expert_bias)
+        return select_experts(logits, self.config, expert_bias=self.expert_bias, token_mask=token_mask)

@@ -44,7 +44,8 @@ ad::route_tensors route_tensors_of(const tensor& logits, const optional_tensor& 
                                    const optional_tensor& prior_bias, const optional_tensor& prior_probs,
                                    const optional_tensor& token_prior_row, const optional_tensor& sequence_ids,
                                    std::int64_t num_sequences, const optional_tensor& load_fractions,
-                                   const optional_tensor& expert_rank, std::int64_t rank, bool training) {
+                                   const optional_tensor& expert_rank, std::int64_t rank, bool training,
+                                   const optional_tensor& token_mask) {
   ad::route_tensors t;
   t.logits = logits;
   t.expert_bias = expert_bias;
@@ -57,6 +58,7 @@ ad::route_tensors route_tensors_of(const tensor& logits, const optional_tensor& 
   t.expert_rank = expert_rank;
   t.rank = ad::detail::int_of(rank, "rank");
   t.training = training;
+  t.token_mask = token_mask;
   return t;
 }
 
@@ -118,21 +120,24 @@ std::tuple<tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, tenso
     const optional_tensor& sequence_ids, std::int64_t num_sequences, const optional_tensor& load_fractions,
     const optional_tensor& expert_rank, std::int64_t rank, bool training, c10::string_view admission,
     const optional_tensor& hidden_norms, const optional_tensor& weight_norms, const optional_tensor& group_ids,
-    std::int64_t num_groups, const optional_tensor& capacity, std::int64_t threads) {
+    std::int64_t num_groups, const optional_tensor& capacity, const optional_tensor& token_mask,
+    std::int64_t threads) {
   const rt::router_config c = router_config_of(config);
   const rt::admission_config a = admission_config_of(admission);
   const ad::route_result r =
       ad::route(c, a,
                 route_tensors_of(logits, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
-                                 num_sequences, load_fractions, expert_rank, rank, training),
+                                 num_sequences, load_fractions, expert_rank, rank, training, token_mask),
                 admission_tensors_of(hidden_norms, weight_norms, group_ids, num_groups, capacity), threads_of(threads));
   return {r.gates, float_values(r.penalty_values), r.indices, r.routed_indices, r.routed_gates, r.status, r.workspace,
           r.nonfinite_rows, r.admission_report};
 }
 
 std::tuple<tensor, tensor> select_experts(const tensor& logits, c10::string_view config,
-                                         const optional_tensor& expert_bias, std::int64_t threads) {
-  const ad::selection_result r = ad::select_experts(router_config_of(config), logits, expert_bias, threads_of(threads));
+                                         const optional_tensor& expert_bias, const optional_tensor& token_mask,
+                                         std::int64_t threads) {
+  const ad::selection_result r =
+      ad::select_experts(router_config_of(config), logits, expert_bias, token_mask, threads_of(threads));
   return {r.gates, r.indices};
 }
 
@@ -142,11 +147,12 @@ tensor route_backward(const tensor& grad_gates, const tensor& grad_penalties, co
                       const optional_tensor& sequence_ids, std::int64_t num_sequences,
                       const optional_tensor& load_fractions, const optional_tensor& expert_rank, std::int64_t rank,
                       bool training, const tensor& routed_indices, const tensor& workspace,
-                      const optional_tensor& admitted_indices, bool renormalize, std::int64_t threads) {
+                      const optional_tensor& admitted_indices, bool renormalize, const optional_tensor& token_mask,
+                      std::int64_t threads) {
   const rt::router_config c = router_config_of(config);
   return ad::backward(c,
                       route_tensors_of(logits, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
-                                       num_sequences, load_fractions, expert_rank, rank, training),
+                                       num_sequences, load_fractions, expert_rank, rank, training, token_mask),
                       routed_indices, grad_gates, grad_penalties, workspace, admitted_indices, renormalize,
                       threads_of(threads));
 }
@@ -156,10 +162,10 @@ std::tuple<tensor, tensor, tensor, tensor> admit(const tensor& logits, c10::stri
                                                  const tensor& routed_gates, const optional_tensor& hidden_norms,
                                                  const optional_tensor& weight_norms, const optional_tensor& group_ids,
                                                  std::int64_t num_groups, const optional_tensor& capacity,
-                                                 std::int64_t threads) {
+                                                 const optional_tensor& token_mask, std::int64_t threads) {
   const rt::router_config c = router_config_of(config);
   const rt::admission_config a = admission_config_of(admission);
-  const ad::admit_result r = ad::admit(c, a, logits, routed_indices, routed_gates,
+  const ad::admit_result r = ad::admit(c, a, logits, routed_indices, routed_gates, token_mask,
                                        admission_tensors_of(hidden_norms, weight_norms, group_ids, num_groups, capacity),
                                        threads_of(threads));
   return {r.indices, r.gates, r.status, r.report};
@@ -178,20 +184,21 @@ std::tuple<tensor, tensor, tensor, tensor, tensor> dispatch(const tensor& indice
 std::tuple<tensor, tensor, tensor, tensor> expert_choice(const tensor& logits, std::int64_t top_k,
                                                          double capacity_factor, std::int64_t min_capacity,
                                                          const optional_tensor& group_ids, std::int64_t num_groups,
-                                                         const optional_tensor& capacity, std::int64_t threads) {
+                                                         const optional_tensor& capacity,
+                                                         const optional_tensor& token_mask, std::int64_t threads) {
   moe_route::selection::expert_choice p;
   p.top_k = ad::detail::int_of(top_k, "top_k");
   p.capacity_factor = capacity_factor;
   p.min_capacity = min_capacity;
   const ad::expert_choice_result r =
-      ad::expert_choice(p, logits, group_ids, ad::detail::int_of(num_groups, "num_groups"), capacity,
+      ad::expert_choice(p, logits, group_ids, ad::detail::int_of(num_groups, "num_groups"), capacity, token_mask,
                         threads_of(threads));
   return {r.gates, r.indices, r.experts_per_token, r.report};
 }
 
 tensor expert_choice_backward(const tensor& grad_gates, const tensor& logits, const tensor& indices,
-                              std::int64_t threads) {
-  return ad::expert_choice_backward(logits, indices, grad_gates, threads_of(threads));
+                              const optional_tensor& token_mask, std::int64_t threads) {
+  return ad::expert_choice_backward(logits, indices, grad_gates, token_mask, threads_of(threads));
 }
 
 std::tuple<tensor, std::vector<tensor>> router_l2(at::TensorList weights, at::TensorList base, double coefficient) {
@@ -257,12 +264,14 @@ optional_tensor optional_of(const tensor& t) { return t.defined() ? optional_ten
 // select_experts' gates are not differentiable, so a call that autograd would
 // record is refused rather than given gates that silently get no gradient.
 std::tuple<tensor, tensor> select_experts_autograd(const tensor& logits, c10::string_view config,
-                                                  const optional_tensor& expert_bias, std::int64_t threads) {
+                                                  const optional_tensor& expert_bias,
+                                                  const optional_tensor& token_mask, std::int64_t threads) {
   if (recorded(logits))
     ad::detail::value_error(
         "select_experts is inference routing and its gates have no gradient, but logits requires grad: call it under "
         "torch.no_grad() / torch.inference_mode(), or use route() for training");
-  return below_autograd<decltype(select_experts), select_experts_name>(logits, config, expert_bias, threads);
+  return below_autograd<decltype(select_experts), select_experts_name>(logits, config, expert_bias, token_mask,
+                                                                      threads);
 }
 
 // route: gates and penalty values are differentiable in the logits; the
@@ -277,18 +286,19 @@ class route_function : public torch::autograd::Function<route_function> {
                                std::int64_t rank, bool training, c10::string_view admission,
                                const optional_tensor& hidden_norms, const optional_tensor& weight_norms,
                                const optional_tensor& group_ids, std::int64_t num_groups,
-                               const optional_tensor& capacity, std::int64_t threads) {
+                               const optional_tensor& capacity, const optional_tensor& token_mask,
+                               std::int64_t threads) {
     auto [gates, values, indices, routed_indices, routed_gates, status, workspace, nonfinite_rows, report] =
         below_autograd<decltype(route), route_name>(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
                        num_sequences, load_fractions, expert_rank, rank, training, admission, hidden_norms,
-                       weight_norms, group_ids, num_groups, capacity, threads);
+                       weight_norms, group_ids, num_groups, capacity, token_mask, threads);
     // Under admission the backward takes the routed experts and the admitted ones.
     const rt::admission_config& a = admission_config_of(admission);
     const bool admitting = !a.dropless;
     ctx->save_for_backward({logits, or_undefined(expert_bias), or_undefined(prior_bias), or_undefined(prior_probs),
                             or_undefined(token_prior_row), or_undefined(sequence_ids), or_undefined(load_fractions),
                             or_undefined(expert_rank), admitting ? routed_indices : indices, workspace,
-                            admitting ? indices : tensor()});
+                            admitting ? indices : tensor(), or_undefined(token_mask)});
     ctx->saved_data["config"] = std::string(config);
     ctx->saved_data["num_sequences"] = num_sequences;
     ctx->saved_data["rank"] = rank;
@@ -314,7 +324,7 @@ class route_function : public torch::autograd::Function<route_function> {
                              optional_of(s[2]), optional_of(s[3]), optional_of(s[4]), optional_of(s[5]),
                              d.at("num_sequences").toInt(), optional_of(s[6]), optional_of(s[7]), d.at("rank").toInt(),
                              d.at("training").toBool(), routed_indices, s[9], optional_of(s[10]),
-                             d.at("renormalize").toBool(), d.at("threads").toInt());
+                             d.at("renormalize").toBool(), optional_of(s[11]), d.at("threads").toInt());
     return grad_inputs;
   }
 };
@@ -325,15 +335,16 @@ std::tuple<tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, tenso
     const optional_tensor& sequence_ids, std::int64_t num_sequences, const optional_tensor& load_fractions,
     const optional_tensor& expert_rank, std::int64_t rank, bool training, c10::string_view admission,
     const optional_tensor& hidden_norms, const optional_tensor& weight_norms, const optional_tensor& group_ids,
-    std::int64_t num_groups, const optional_tensor& capacity, std::int64_t threads) {
+    std::int64_t num_groups, const optional_tensor& capacity, const optional_tensor& token_mask,
+    std::int64_t threads) {
   if (!recorded(logits))
     return below_autograd<decltype(route), route_name>(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
                           num_sequences, load_fractions, expert_rank, rank, training, admission, hidden_norms,
-                          weight_norms, group_ids, num_groups, capacity, threads);
+                          weight_norms, group_ids, num_groups, capacity, token_mask, threads);
   const variable_list r =
       route_function::apply(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
                             num_sequences, load_fractions, expert_rank, rank, training, admission, hidden_norms,
-                            weight_norms, group_ids, num_groups, capacity, threads);
+                            weight_norms, group_ids, num_groups, capacity, token_mask, threads);
   return {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]};
 }
 
@@ -342,10 +353,11 @@ class expert_choice_function : public torch::autograd::Function<expert_choice_fu
  public:
   static variable_list forward(AutogradContext* ctx, const tensor& logits, std::int64_t top_k, double capacity_factor,
                                std::int64_t min_capacity, const optional_tensor& group_ids, std::int64_t num_groups,
-                               const optional_tensor& capacity, std::int64_t threads) {
+                               const optional_tensor& capacity, const optional_tensor& token_mask,
+                               std::int64_t threads) {
     auto [gates, indices, experts_per_token, report] = below_autograd<decltype(expert_choice), expert_choice_name>(
-        logits, top_k, capacity_factor, min_capacity, group_ids, num_groups, capacity, threads);
-    ctx->save_for_backward({logits, indices});
+        logits, top_k, capacity_factor, min_capacity, group_ids, num_groups, capacity, token_mask, threads);
+    ctx->save_for_backward({logits, indices, or_undefined(token_mask)});
     ctx->saved_data["threads"] = threads;
     ctx->mark_non_differentiable({indices, experts_per_token, report});
     ctx->set_materialize_grads(false);
@@ -358,7 +370,7 @@ class expert_choice_function : public torch::autograd::Function<expert_choice_fu
     const tensor grad_gates =
         grads[0].defined() ? grads[0].contiguous() : at::zeros(logits.sizes(), logits.options().dtype(at::kFloat));
     variable_list grad_inputs(arity<decltype(expert_choice)>::value);
-    grad_inputs[0] = operator_named<decltype(expert_choice_backward), expert_choice_backward_name>().call(grad_gates, logits, s[1], ctx->saved_data.at("threads").toInt());
+    grad_inputs[0] = operator_named<decltype(expert_choice_backward), expert_choice_backward_name>().call(grad_gates, logits, s[1], optional_of(s[2]), ctx->saved_data.at("threads").toInt());
     return grad_inputs;
   }
 };
@@ -368,12 +380,14 @@ std::tuple<tensor, tensor, tensor, tensor> expert_choice_autograd(const tensor& 
                                                                   const optional_tensor& group_ids,
                                                                   std::int64_t num_groups,
                                                                   const optional_tensor& capacity,
+                                                                  const optional_tensor& token_mask,
                                                                   std::int64_t threads) {
   if (!recorded(logits))
     return below_autograd<decltype(expert_choice), expert_choice_name>(logits, top_k, capacity_factor, min_capacity,
-                                                                        group_ids, num_groups, capacity, threads);
+                                                                        group_ids, num_groups, capacity, token_mask,
+                                                                        threads);
   const variable_list r = expert_choice_function::apply(logits, top_k, capacity_factor, min_capacity, group_ids,
-                                                        num_groups, capacity, threads);
+                                                        num_groups, capacity, token_mask, threads);
   return {r[0], r[1], r[2], r[3]};
 }
 
@@ -471,27 +485,32 @@ TORCH_LIBRARY(moe_route, m) {
       "route(Tensor logits, str config, Tensor? expert_bias, Tensor? prior_bias, Tensor? prior_probs, "
       "Tensor? token_prior_row, Tensor? sequence_ids, int num_sequences, Tensor? load_fractions, "
       "Tensor? expert_rank, int rank, bool training, str admission, Tensor? hidden_norms, Tensor? weight_norms, "
-      "Tensor? group_ids, int num_groups, Tensor? capacity, int threads) -> (Tensor gates, Tensor penalty_values, "
+      "Tensor? group_ids, int num_groups, Tensor? capacity, Tensor? token_mask, int threads) -> (Tensor gates, "
+      "Tensor penalty_values, "
       "Tensor indices, Tensor routed_indices, Tensor routed_gates, Tensor status, Tensor workspace, "
       "Tensor nonfinite_rows, Tensor admission_report)");
-  m.def("select_experts(Tensor logits, str config, Tensor? expert_bias, int threads) -> (Tensor gates, Tensor indices)");
+  m.def(
+      "select_experts(Tensor logits, str config, Tensor? expert_bias, Tensor? token_mask, int threads) -> "
+      "(Tensor gates, Tensor indices)");
   m.def(
       "route_backward(Tensor grad_gates, Tensor grad_penalties, Tensor logits, str config, Tensor? expert_bias, "
       "Tensor? prior_bias, Tensor? prior_probs, Tensor? token_prior_row, Tensor? sequence_ids, int num_sequences, "
       "Tensor? load_fractions, Tensor? expert_rank, int rank, bool training, Tensor routed_indices, "
-      "Tensor workspace, Tensor? admitted_indices, bool renormalize, int threads) -> Tensor");
+      "Tensor workspace, Tensor? admitted_indices, bool renormalize, Tensor? token_mask, int threads) -> Tensor");
   m.def(
       "admit(Tensor logits, str config, str admission, Tensor routed_indices, Tensor routed_gates, "
       "Tensor? hidden_norms, Tensor? weight_norms, Tensor? group_ids, int num_groups, Tensor? capacity, "
-      "int threads) -> (Tensor indices, Tensor gates, Tensor status, Tensor report)");
+      "Tensor? token_mask, int threads) -> (Tensor indices, Tensor gates, Tensor status, Tensor report)");
   m.def(
       "dispatch(Tensor indices, int num_experts, int align, int num_ranks, Tensor? expert_rank) -> "
       "(Tensor counts, Tensor offsets, Tensor permutation, Tensor inverse, Tensor rank_counts)");
   m.def(
       "expert_choice(Tensor logits, int top_k, float capacity_factor, int min_capacity, Tensor? group_ids, "
-      "int num_groups, Tensor? capacity, int threads) -> (Tensor gates, Tensor indices, Tensor experts_per_token, "
-      "Tensor report)");
-  m.def("expert_choice_backward(Tensor grad_gates, Tensor logits, Tensor indices, int threads) -> Tensor");
+      "int num_groups, Tensor? capacity, Tensor? token_mask, int threads) -> (Tensor gates, Tensor indices, "
+      "Tensor experts_per_token, Tensor report)");
+  m.def(
+      "expert_choice_backward(Tensor grad_gates, Tensor logits, Tensor indices, Tensor? token_mask, int threads) -> "
+      "Tensor");
   m.def("router_l2(Tensor[] weights, Tensor[] base, float coefficient) -> (Tensor value, Tensor[] grads)");
   m.def("prior_build(Tensor logits, Tensor rows, int num_rows, str gating) -> (Tensor pi, Tensor row_tokens)");
   m.def("prior_prepare(Tensor pi, float epsilon, float cap) -> (Tensor bias, Tensor probs, Tensor report)");

@@ -51,7 +51,7 @@ def _bias(seed):
     return torch.randn(E, generator=torch.Generator().manual_seed(seed + 100)) * 0.5
 
 
-def megatron_route(fields, logits, expert_bias=None, upstream=None, router_class=TopKRouter):
+def megatron_route(fields, logits, expert_bias=None, upstream=None, router_class=TopKRouter, padding_mask=None):
     """Megatron's probs, routing map, loss values (coefficient included), logits
     gradient of sum(upstream * probs) (aux losses through their scaler) and its
     tokens_per_expert for the expert-bias update."""
@@ -65,7 +65,7 @@ def megatron_route(fields, logits, expert_bias=None, upstream=None, router_class
         router.expert_bias.copy_(expert_bias)
     moe_utils.clear_aux_losses_tracker()
     z = logits.clone().requires_grad_()
-    probs, routing_map = router.routing(z)
+    probs, routing_map = router.routing(z, padding_mask=padding_mask)
     (probs * upstream).sum().backward()
     tracked = moe_utils.get_moe_layer_wise_logging_tracker()
     coeffs = {"load_balancing_loss": router.get_aux_loss_coeff("aux_loss"),
@@ -184,7 +184,49 @@ def test_the_megatron_integration_router_equals_topkrouter(name):
         assert torch.equal(got[4], want[4])
 
 
-def test_the_megatron_integration_router_refuses_a_padding_mask_and_what_from_megatron_refuses():
+PADDED_CASES = sorted(name for name, fields in CASES.items()
+                      if "moe_expert_capacity_factor" not in fields and "seq_aux_loss" not in str(fields))
+
+
+@pytest.mark.parametrize("name", PADDED_CASES)
+def test_the_megatron_integration_router_with_a_padding_mask_equals_topkrouter_on_the_valid_tokens(name):
+    # Megatron leaves padding out of its losses and expert-bias loads but still routes it;
+    # the library routes it nowhere. Valid tokens: the same map, probs, losses and gradient.
+    from moe_route.integrations.megatron import MoERouteTopKRouter
+
+    fields = CASES[name]
+    logits = _logits(5)
+    bias = _bias(5) if fields.get("moe_router_enable_expert_bias") else None
+    upstream = torch.randn(N, E, generator=torch.Generator().manual_seed(12))
+    padding = torch.zeros(SEQ, BATCH, dtype=torch.bool)
+    padding[5:, 0] = True  # right padding of unequal lengths
+    padding[2:, 3] = True
+    logits[padding] = float("nan")  # never read
+    valid = ~padding.reshape(-1)
+
+    def megatron_expert_bias_loads(router, routing_map, padding_mask=None):
+        # Megatron 0.16.1 masks the [tokens, E] map with the [tokens] mask, which does not broadcast;
+        # this is its count with the mask's expert dimension added.
+        if router.enable_expert_bias and torch.is_grad_enabled():
+            router.local_tokens_per_expert += (routing_map & ~padding_mask.unsqueeze(-1)).sum(dim=0)
+
+    with mock.patch.object(TopKRouter, "_apply_expert_bias", megatron_expert_bias_loads):
+        want = megatron_route(fields, logits.nan_to_num(0.0), bias, upstream, padding_mask=padding)
+    got = megatron_route(fields, logits, bias, upstream, router_class=MoERouteTopKRouter, padding_mask=padding)
+    assert torch.equal(got[1][valid], want[1][valid]) and not got[1][~valid].any()
+    torch.testing.assert_close(got[0][valid], want[0][valid], rtol=1e-5, atol=1e-7)
+    assert torch.equal(got[0][~valid], torch.zeros_like(got[0][~valid]))
+    assert got[2].keys() == want[2].keys()
+    for key in want[2]:
+        torch.testing.assert_close(got[2][key], want[2][key], rtol=1e-5, atol=0.0)
+    scale = 1e-5 * float(want[3][valid].abs().max())
+    torch.testing.assert_close(got[3][valid], want[3][valid], rtol=1e-5, atol=scale)
+    assert torch.equal(got[3][~valid], torch.zeros_like(got[3][~valid]))
+    if bias is not None:
+        assert torch.equal(got[4], want[4])
+
+
+def test_the_megatron_integration_router_refuses_what_from_megatron_refuses():
     from moe_route.integrations.megatron import MoERouteTopKRouter
 
     def build(**fields):
@@ -192,8 +234,13 @@ def test_the_megatron_integration_router_refuses_a_padding_mask_and_what_from_me
                                    use_cpu_initialization=True, add_bias_linear=False, **fields)
         return MoERouteTopKRouter(config, pg_collection=moe_utils.get_default_pg_collection())
 
-    with pytest.raises(ValueError, match="does not take a padding_mask yet"):
-        build().routing(_logits(0), padding_mask=torch.zeros(SEQ, BATCH, dtype=torch.bool))
+    padding = torch.zeros(SEQ, BATCH, dtype=torch.bool)
+    with pytest.raises(ValueError, match="padding_mask must be"):
+        build().routing(_logits(0), padding_mask=padding[:, :2])
+    with pytest.raises(ValueError, match="padding_mask with moe_expert_capacity_factor"):
+        build(moe_expert_capacity_factor=1.0).routing(_logits(0), padding_mask=padding)
+    with pytest.raises(ValueError, match="padding_mask with seq_aux_loss"):
+        build(**CASES["seq_aux_loss"]).routing(_logits(0), padding_mask=padding)
     with pytest.raises(ValueError, match="Megatron's moe_pad_expert_input_to_capacity=True"):
         build(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
 

@@ -20,7 +20,7 @@ def _logits(n=N, e=E, requires_grad=False):
 def _route_args(z, cfg, admission="", *, expert_bias=None, prior=(None, None, None), hidden_norms=None,
                 weight_norms=None):
     return (z, cfg.to_text(), expert_bias, *prior, None, 0, None, None, 0, True, admission, hidden_norms,
-            weight_norms, None, 1, None, 1)
+            weight_norms, None, 1, None, None, 1)
 
 
 def _prior(n=N, e=E, rows=3):
@@ -69,7 +69,7 @@ def test_only_gates_and_penalty_values_are_differentiable():
     assert out[0].grad_fn is out[1].grad_fn is not None
     with torch.no_grad():
         assert not any(t.requires_grad for t in ops.route(*_route_args(z, cfg, admission.to_text())))
-    gates, indices, per_token, report = ops.expert_choice(z, 2, 1.0, 0, None, 1, None, 1)
+    gates, indices, per_token, report = ops.expert_choice(z, 2, 1.0, 0, None, 1, None, None, 1)
     assert gates.grad_fn is not None and not (indices.requires_grad or per_token.requires_grad or report.requires_grad)
     (g,) = torch.autograd.grad(gates.sum(), z, create_graph=True)
     with pytest.raises(RuntimeError, match="the router's backward is not differentiable"):
@@ -85,19 +85,37 @@ def test_opcheck_route_backward_admit_dispatch():
     grad_gates, grad_values = torch.randn(N, K), torch.randn(5)
     torch.library.opcheck(ops.route_backward.default,
                           (grad_gates, grad_values, z, cfg.to_text(), None, None, None, None, None, 0, None, None, 0,
-                           True, routed, workspace, None, False, 1))
+                           True, routed, workspace, None, False, None, 1))
     admission = mr.Admission.capacity_position(1.0).to_text()
     torch.library.opcheck(ops.admit.default,
-                          (z, cfg.to_text(), admission, routed, routed_gates, None, None, None, 1, None, 1))
+                          (z, cfg.to_text(), admission, routed, routed_gates, None, None, None, 1, None, None, 1))
     for align in (1, 4):
         torch.library.opcheck(ops.dispatch.default, (routed, E, align, 2, None))
 
 
+def test_opcheck_with_token_mask():
+    cfg = mr.RouterConfig(top_k=K, load_balance=1e-2, z_loss=1e-3)
+    mask = torch.arange(N) % 3 != 1
+    z = _logits(requires_grad=True)
+    args = list(_route_args(z, cfg, mr.Admission.capacity_probs(1.0).to_text()))
+    args[-2] = mask
+    torch.library.opcheck(ops.route.default, tuple(args))
+    out = ops.route(*_route_args(z.detach(), cfg))
+    routed, workspace = out[2], out[6]
+    torch.library.opcheck(ops.route_backward.default,
+                          (torch.randn(N, K), torch.randn(5), z.detach(), cfg.to_text(), None, None, None, None, None,
+                           0, None, None, 0, True, routed, workspace, None, False, mask, 1))
+    torch.library.opcheck(ops.admit.default, (z.detach(), cfg.to_text(), mr.Admission.capacity_position(1.0).to_text(),
+                                              routed, out[0].detach(), None, None, None, 1, None, mask, 1))
+    torch.library.opcheck(ops.expert_choice.default, (z, 2, 1.0, 0, None, 1, None, mask, 1))
+    torch.library.opcheck(ops.select_experts.default, (z.detach(), cfg.to_text(), None, mask, 1))
+
+
 def test_opcheck_expert_choice_router_l2_prior_and_bias():
     z = _logits(requires_grad=True)
-    torch.library.opcheck(ops.expert_choice.default, (z, 2, 1.0, 0, None, 1, None, 1))
-    indices = ops.expert_choice(z.detach(), 2, 1.0, 0, None, 1, None, 1)[1]
-    torch.library.opcheck(ops.expert_choice_backward.default, (torch.randn(N, E), z.detach(), indices, 1))
+    torch.library.opcheck(ops.expert_choice.default, (z, 2, 1.0, 0, None, 1, None, None, 1))
+    indices = ops.expert_choice(z.detach(), 2, 1.0, 0, None, 1, None, None, 1)[1]
+    torch.library.opcheck(ops.expert_choice_backward.default, (torch.randn(N, E), z.detach(), indices, None, 1))
     weights = [torch.randn(E, 8, requires_grad=True), torch.randn(E, 8, requires_grad=True)]
     base = [w.detach() + 0.1 * torch.randn(E, 8) for w in weights]
     torch.library.opcheck(ops.router_l2.default, (weights, base, 1e2))
@@ -241,9 +259,9 @@ def test_other_operators_reject_bad_input():
     routed = torch.zeros(N, K, dtype=torch.int32)
     gates = torch.zeros(N, K)
     with pytest.raises(ValueError, match=r"routed_indices must have shape \[24, 3\]"):
-        ops.admit(z, cfg, "kind=capacity", routed[:, :2], gates, None, None, None, 1, None, 1)
+        ops.admit(z, cfg, "kind=capacity", routed[:, :2], gates, None, None, None, 1, None, None, 1)
     with pytest.raises(TypeError, match="routed_gates must be torch.float32"):
-        ops.admit(z, cfg, "kind=capacity", routed, gates.double(), None, None, None, 1, None, 1)
+        ops.admit(z, cfg, "kind=capacity", routed, gates.double(), None, None, None, 1, None, None, 1)
     with pytest.raises(ValueError, match="align must be >= 1"):
         ops.dispatch(routed, E, 0, 1, None)
     with pytest.raises(ValueError, match="num_ranks must be >= 1"):
@@ -256,17 +274,17 @@ def test_other_operators_reject_bad_input():
     with pytest.raises(ValueError, match=r"num_experts \(= 5000\) must be in \[1, 4096\]"):
         ops.dispatch(routed, 5000, 1, 1, None)
     with pytest.raises(ValueError, match=r"top_k \(= 4294967298\) is outside the int32 range"):
-        ops.expert_choice(z, 2**32 + 2, 1.0, 0, None, 1, None, 1)
+        ops.expert_choice(z, 2**32 + 2, 1.0, 0, None, 1, None, None, 1)
     with pytest.raises(ValueError, match=r"num_groups \(= -4294967295\) is outside the int32 range"):
-        ops.admit(z, cfg, "kind=capacity", routed, gates, None, None, None, 1 - 2**32, None, 1)
+        ops.admit(z, cfg, "kind=capacity", routed, gates, None, None, None, 1 - 2**32, None, None, 1)
     with pytest.raises(ValueError, match=r"indices\[0\]"):
         ops.dispatch(torch.full((2, 2), E, dtype=torch.int32), E, 1, 1, None)
     with pytest.raises(ValueError, match=r"group_ids must have shape \[24\]"):
-        ops.expert_choice(z, 2, 1.0, 0, torch.zeros(3, dtype=torch.int32), 2, None, 1)
+        ops.expert_choice(z, 2, 1.0, 0, torch.zeros(3, dtype=torch.int32), 2, None, None, 1)
     with pytest.raises(TypeError, match="capacity must be torch.int64"):
-        ops.expert_choice(z, 2, 1.0, 0, None, 1, torch.ones(E, dtype=torch.int32), 1)
+        ops.expert_choice(z, 2, 1.0, 0, None, 1, torch.ones(E, dtype=torch.int32), None, 1)
     with pytest.raises(ValueError, match=r"grad_gates must have shape \[24, 12\]"):
-        ops.expert_choice_backward(torch.zeros(N, E - 1), z, torch.zeros(N, E, dtype=torch.int32), 1)
+        ops.expert_choice_backward(torch.zeros(N, E - 1), z, torch.zeros(N, E, dtype=torch.int32), None, 1)
     with pytest.raises(ValueError, match="the same number of layers, got 2 and 1"):
         ops.router_l2([torch.zeros(2, 3), torch.zeros(2, 3)], [torch.zeros(2, 3)], 1.0)
     with pytest.raises(ValueError, match=r"layer 0 base must have shape \[2, 3\], got \[3, 2\]"):

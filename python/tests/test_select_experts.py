@@ -105,7 +105,7 @@ def test_opcheck(gen):
     for preset in ("deepseek_v3", "mixtral"):
         cfg = mr.RouterConfig.preset(preset)
         e = mr.RouterConfig.preset_experts(preset)
-        args = (randn(24, e, gen=gen), cfg.to_text(), _bias(cfg, e, gen), 1)
+        args = (randn(24, e, gen=gen), cfg.to_text(), _bias(cfg, e, gen), None, 1)
         torch.library.opcheck(ops.select_experts.default, args)
 
 

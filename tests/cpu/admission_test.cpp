@@ -879,3 +879,128 @@ TEST_CASE("admission: the backward of an untouched result is cpu::backward, bit 
   check(with_k(mixtral_router{}, 2), 104);
   check(with_k(sigmoid_router{}, 5), 105);
 }
+
+// ---------------------------------------------------------------------------
+// Token mask (docs/policies.md, "Token mask"): on the valid tokens admission
+// and expert choice equal the calls on the batch without the masked tokens
+// (ranks break ties by token index, whose order compaction keeps); masked
+// tokens get -1 / 0 / dropped, count nowhere, and are never read.
+
+namespace admission_test {
+
+batch without_masked(const batch& b, const std::vector<std::uint8_t>& mask) {
+  batch v = b;
+  v.z.clear(), v.xn.clear(), v.groups.clear(), v.routed.clear(), v.gates.clear();
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    if (mask[t] == 0) continue;
+    v.z.insert(v.z.end(), b.z.begin() + t * b.E, b.z.begin() + (t + 1) * b.E);
+    v.routed.insert(v.routed.end(), b.routed.begin() + t * b.K, b.routed.begin() + (t + 1) * b.K);
+    v.gates.insert(v.gates.end(), b.gates.begin() + t * b.K, b.gates.begin() + (t + 1) * b.K);
+    v.xn.push_back(b.xn[t]);
+    if (!b.groups.empty()) v.groups.push_back(b.groups[t]);
+  }
+  v.N = static_cast<std::int64_t>(v.xn.size());
+  return v;
+}
+
+// b with garbage in the masked tokens' inputs.
+batch with_garbage(batch b, const std::vector<std::uint8_t>& mask) {
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    if (mask[t] != 0) continue;
+    std::fill(b.z.begin() + t * b.E, b.z.begin() + (t + 1) * b.E, std::numeric_limits<float>::quiet_NaN());
+    std::fill(b.routed.begin() + t * b.K, b.routed.begin() + (t + 1) * b.K, 1 << 20);
+    b.xn[t] = -1.0f;
+    if (!b.groups.empty()) b.groups[t] = -3;
+  }
+  return b;
+}
+
+template <class Router, class Policy>
+void check_masked_admission(const Router& r, const Policy& p, const batch& b, const std::vector<std::uint8_t>& mask,
+                            const char* what) {
+  CAPTURE(what);
+  const batch padded = with_garbage(b, mask);
+  result got;
+  got.idx.assign(b.N * b.K, -7);
+  got.gates.assign(b.N * b.K, -7.0f);
+  got.status.assign(b.N * b.K, -7);
+  auto in = admission_cases::admission_inputs_of(padded, padded.z.data());
+  in.token_mask = mask.data();
+  mr::admission_outputs out{got.idx.data(), got.gates.data(), got.status.data(), nullptr};
+  got.rep = mr::cpu::admit(r, p, in, out, mr::cpu::execution{2});
+  const result want = run_admit(r, p, without_masked(b, mask));
+  CHECK(admission_cases::same_report(got.rep, want.rep));
+  std::int64_t v = 0;
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    for (int j = 0; j < b.K; ++j) {
+      const std::int64_t s = t * b.K + j, w = v * b.K + j;
+      CHECK(got.idx[s] == (mask[t] ? want.idx[w] : -1));
+      CHECK(got.gates[s] == (mask[t] ? want.gates[w] : 0.0f));
+      CHECK(got.status[s] == (mask[t] ? want.status[w] : static_cast<std::int8_t>(ad::slot_status::dropped)));
+    }
+    v += mask[t] != 0;
+  }
+}
+
+}  // namespace admission_test
+
+TEST_CASE("admission: a token mask equals admitting the batch without the masked tokens") {
+  for (int G : {1, 3}) {
+    const auto r = with_k(softmax_router{}, 3);
+    const batch b = make_batch(r, 41, 90, 12, 4, G, 1.5f);  // ties, groups, overflow
+    std::vector<std::uint8_t> mask(b.N);
+    for (std::int64_t t = 0; t < b.N; ++t) mask[t] = (t % 5 == 2 || t < 4) ? 0 : 1;
+    check_masked_admission(r, ad::cipher_strict(0.05f, 1.0f), b, mask, "cipher_strict");
+    check_masked_admission(r, ad::cipher_reroute(-0.5f, 1.0f, 0.75f), b, mask, "cipher_reroute");
+    check_masked_admission(r, ad::capacity_position(0.8f), b, mask, "capacity_position");
+    check_masked_admission(r, ad::capacity_probs(0.8f, 2), b, mask, "capacity_probs, min_capacity");
+    check_masked_admission(r, ad::capacity_gate(0.8f), b, mask, "capacity_gate");
+    check_masked_admission(r, ad::dropless(), b, mask, "dropless");
+    check_masked_admission(r, ad::capacity_probs(0.8f), b, std::vector<std::uint8_t>(b.N, 0), "all masked");
+    check_masked_admission(r, ad::capacity_probs(0.8f), b, std::vector<std::uint8_t>(b.N, 7), "none masked");
+  }
+}
+
+TEST_CASE("expert choice: a token mask equals choosing among the valid tokens only") {
+  for (int G : {1, 2}) {
+    const auto r = with_k(softmax_router{}, 2);
+    const batch b = make_batch(r, 43, 70, 37, 3, G);
+    std::vector<std::uint8_t> mask(b.N);
+    for (std::int64_t t = 0; t < b.N; ++t) mask[t] = t % 3 != 0;
+    const batch padded = with_garbage(b, mask), compact = without_masked(b, mask);
+    mr::selection::expert_choice p;
+    p.capacity_factor = 1.25;
+    auto run = [&](const batch& x, const std::uint8_t* m, std::vector<std::int32_t>& idx, std::vector<float>& gates,
+                   std::vector<std::int32_t>& per_token, std::vector<float>& dz) {
+      idx.assign(x.N * x.E, -7);
+      gates.assign(x.N * x.E, -7.0f);
+      per_token.assign(x.N, -7);
+      auto in = admission_cases::expert_choice_inputs_of(x);
+      in.token_mask = m;
+      const auto rep = mr::cpu::expert_choice(p, in, {idx.data(), gates.data(), per_token.data()});
+      std::vector<float> dg(x.N * x.E);
+      for (std::size_t i = 0; i < dg.size(); ++i) dg[i] = static_cast<float>(i % x.E % 11) - 5.0f;
+      dz.assign(x.N * x.E, -7.0f);
+      mr::cpu::expert_choice_backward(in, idx.data(), dg.data(), dz.data());
+      return rep;
+    };
+    std::vector<std::int32_t> idx, per, cidx, cper;
+    std::vector<float> gates, dz, cgates, cdz;
+    const auto rep = run(padded, mask.data(), idx, gates, per, dz);
+    const auto want = run(compact, nullptr, cidx, cgates, cper, cdz);
+    CHECK(rep.assignments == want.assignments);
+    CHECK(rep.tokens_without_experts == want.tokens_without_experts);
+    CHECK(rep.max_experts_per_token == want.max_experts_per_token);
+    std::int64_t v = 0;
+    for (std::int64_t t = 0; t < b.N; ++t) {
+      CHECK(per[t] == (mask[t] ? cper[v] : 0));
+      for (int e = 0; e < b.E; ++e) {
+        CHECK(idx[t * b.E + e] == (mask[t] ? cidx[v * b.E + e] : -1));
+        CHECK(gates[t * b.E + e] == (mask[t] ? cgates[v * b.E + e] : 0.0f));
+        CHECK(dz[t * b.E + e] == (mask[t] ? cdz[v * b.E + e] : 0.0f));
+        if (!mask[t]) CHECK(!std::signbit(dz[t * b.E + e]));
+      }
+      v += mask[t] != 0;
+    }
+  }
+}

@@ -824,3 +824,148 @@ TEST_CASE("router_l2: value and gradient against a reference and finite differen
   CHECK_THROWS_WITH_AS(policy.apply(no_grad.data(), 3), doctest::Contains("layers[2].base is null"), mr::error);
   static_assert(!pen::is_penalty<pen::router_l2>, "router_l2 acts on weights, not in a router's policy list");
 }
+
+// ---------------------------------------------------------------------------
+// Token mask (docs/policies.md, "Token mask"): on the valid rows every output
+// equals the call on the batch without the masked rows; masked rows are -1 / 0
+// with a zero gradient, and none of their inputs is read.
+
+namespace {
+
+// The batch of b's valid rows only.
+batch valid_rows(const batch& b, const std::vector<std::uint8_t>& mask) {
+  batch v = b;
+  v.z.clear();
+  v.rows.clear();
+  v.sequence_ids.clear();
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    if (mask[t] == 0) continue;
+    v.z.insert(v.z.end(), b.z.begin() + t * b.E, b.z.begin() + (t + 1) * b.E);
+    v.rows.push_back(b.rows[t]);
+    v.sequence_ids.push_back(b.sequence_ids[t]);
+  }
+  v.N = static_cast<std::int64_t>(v.rows.size());
+  return v;
+}
+
+template <class Router>
+void check_masked_training(const Router& r, batch b, const std::vector<std::uint8_t>& mask, ref::rng& g) {
+  const int K = r.top_k, E = b.E;
+  const batch compact = valid_rows(b, mask);
+  // Padding rows hold what a padded batch may hold: NaN logits, no prior row
+  // in range, no sequence; none of it may be read.
+  for (std::int64_t t = 0; t < b.N; ++t)
+    if (mask[t] == 0) {
+      for (int e = 0; e < E; ++e) b.z[t * E + e] = e % 2 ? ref::fnan() : ref::finf();
+      b.rows[t] = 1 << 30;
+      b.sequence_ids[t] = -5;
+    }
+  std::vector<float> c(b.N * K), c_compact;
+  for (auto& x : c) x = static_cast<float>(g.normal());
+  for (std::int64_t t = 0; t < b.N; ++t)
+    if (mask[t] != 0) c_compact.insert(c_compact.end(), c.begin() + t * K, c.begin() + (t + 1) * K);
+  const std::vector<float> u(std::max(1, Router::num_penalties), 1.5f);
+
+  lib_run<Router> lib;
+  {
+    auto in = b.inputs();
+    in.token_mask = mask.data();
+    lib.idx.assign(b.N * K, -7);
+    lib.gates.assign(b.N * K, -7.0f);
+    lib.values.assign(std::max(1, Router::num_penalties), -7.0);
+    lib.workspace.assign(mr::penalty::training_workspace_bytes(r, b.N, E, b.num_sequences), 0xab);
+    mr::route_outputs o;
+    o.indices = lib.idx.data();
+    o.gates = lib.gates.data();
+    o.penalty_values = lib.values.data();
+    o.workspace = lib.workspace.data();
+    o.workspace_bytes = lib.workspace.size();
+    std::int64_t nonfinite = 0;
+    o.nonfinite_rows = &nonfinite;
+    mr::cpu::route(r, in, o, mr::cpu::execution{2});
+    CHECK(nonfinite == 0);
+    lib.dz.assign(b.N * E, -7.0f);
+    mr::backward_args a;
+    a.indices = lib.idx.data();
+    a.grad_gates = c.data();
+    a.grad_logits = lib.dz.data();
+    a.workspace = lib.workspace.data();
+    a.workspace_bytes = lib.workspace.size();
+    a.penalty_grads = u.data();
+    mr::cpu::backward(r, in, a, mr::cpu::execution{2});
+  }
+  const auto want = run_lib(r, compact, c_compact, u, 1);
+  std::int64_t v = 0;
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    for (int j = 0; j < K; ++j) {
+      const std::int32_t idx = lib.idx[t * K + j];
+      const float gate = lib.gates[t * K + j];
+      CHECK(idx == (mask[t] ? want.idx[v * K + j] : -1));
+      CHECK(ref::bits(gate) == ref::bits(mask[t] ? want.gates[v * K + j] : 0.0f));
+    }
+    for (int e = 0; e < E; ++e)
+      CHECK(ref::bits(lib.dz[t * E + e]) == ref::bits(mask[t] ? want.dz[v * E + e] : 0.0f));
+    v += mask[t] ? 1 : 0;
+  }
+  // The per-token values are summed in chunks of token positions, which the
+  // padding rows shift: the totals agree to rounding.
+  for (int j = 0; j < Router::num_penalties; ++j)
+    CHECK(ref::close(lib.values[j], want.values[j], 1e-12, 1e-15));
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("token mask: every penalty, gating and selection equals the batch without the masked rows", G,
+                   mr::gating::softmax, mr::gating::sigmoid, mr::gating::sqrt_softplus,
+                   mr::gating::softmax_after_topk) {
+  ref::rng g(31);
+  const batch b = make_batch(g, 70, 37, 5);  // E not a multiple of 32
+  std::vector<std::uint8_t> mask(b.N);
+  for (std::int64_t t = 0; t < b.N; ++t) mask[t] = static_cast<std::uint8_t>(t % 4 == 1 || t > 60 ? 0 : 1 + t % 3);
+  const auto base = base_router<G>(3);
+  SUBCASE("plain") { check_masked_training(base, b, mask, g); }
+  SUBCASE("load_balance batch + z_loss") {
+    check_masked_training(mr::with_policies(base, pen::load_balance{0.7f}, pen::z_loss{0.05f}), b, mask, g);
+  }
+  SUBCASE("load_balance over sequences, a sequence fully masked") {
+    std::vector<std::uint8_t> m = mask;
+    for (std::int64_t t = 0; t < b.N; ++t)
+      if (b.sequence_ids[t] == 1) m[t] = 0;
+    check_masked_training(mr::with_policies(base, pen::load_balance{0.7f, pen::load_balance::scope::sequence}), b, m,
+                          g);
+  }
+  SUBCASE("global batch, prior policies and prior-space penalties") {
+    check_masked_training(mr::with_policies(base, pri::log_prior_bias{0.8f},
+                                            pen::load_balance{0.5f, pen::load_balance::scope::global_batch},
+                                            pen::kl_to_base{0.3f}, pen::logit_l2{0.1f}, pen::locality{0.4f, 0.01f}),
+                          b, mask, g);
+  }
+  SUBCASE("K = E") {
+    check_masked_training(base_router<G>(8), make_batch(g, 20, 8, 3),
+                          std::vector<std::uint8_t>(mask.begin(), mask.begin() + 20), g);
+  }
+  SUBCASE("every token masked") {
+    check_masked_training(mr::with_policies(base, pen::load_balance{0.7f}, pen::z_loss{0.05f}), b,
+                          std::vector<std::uint8_t>(b.N, 0), g);
+  }
+  SUBCASE("no token masked") {
+    check_masked_training(mr::with_policies(base, pen::z_loss{0.05f}), b, std::vector<std::uint8_t>(b.N, 1), g);
+  }
+}
+
+TEST_CASE("token mask: grouped and expert-bias selections") {
+  ref::rng g(32);
+  batch b = make_batch(g, 50, 64, 3);
+  b.expert_bias.resize(64);
+  for (auto& x : b.expert_bias) x = static_cast<float>(g.uniform(-0.3, 0.3));
+  std::vector<std::uint8_t> mask(b.N);
+  for (std::int64_t t = 0; t < b.N; ++t) mask[t] = t % 3 != 0;
+  mr::router<mr::gating::sigmoid, mr::selection::group_limited<>, 8> grouped;
+  grouped.top_k = 8;
+  grouped.selection.groups = 8;
+  grouped.selection.top_groups = 4;
+  check_masked_training(mr::with_policies(grouped, pen::load_balance{0.3f}), b, mask, g);
+  mr::router<mr::gating::sigmoid, mr::selection::expert_bias, 8> biased;
+  biased.top_k = 6;
+  check_masked_training(mr::with_policies(biased, pen::z_loss{0.2f}), b, mask, g);
+}

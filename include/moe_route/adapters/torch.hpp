@@ -49,6 +49,7 @@ struct route_tensors {
   std::optional<at::Tensor> token_prior_row, sequence_ids;   // [N] int32 (or int64)
   std::optional<at::Tensor> load_fractions;                  // [E] float32 (global-batch load balance)
   std::optional<at::Tensor> expert_rank;                     // [E] int32 (locality, rank counts)
+  std::optional<at::Tensor> token_mask;                      // [N] bool: false = padding (routed nowhere)
   std::int32_t num_sequences = 0;
   std::int32_t rank = 0;
   bool training = true;
@@ -82,7 +83,7 @@ struct checked_route {
   placement where;
   at::Tensor logits;
   std::optional<at::Tensor> expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids, load_fractions,
-      expert_rank;
+      expert_rank, token_mask;
   route_inputs<float> in;
 
   explicit checked_route(const route_tensors& t) : where(placement_of(t.logits, "logits")), logits(logits_of(t.logits, where)) {
@@ -98,10 +99,12 @@ struct checked_route {
     if (sequence_ids && t.num_sequences < 1) value_error("num_sequences must be >= 1 when sequence_ids is given");
     load_fractions = checked(t.load_fractions, "load_fractions", at::kFloat, {e}, where);
     expert_rank = checked(t.expert_rank, "expert_rank", at::kInt, {e}, where);
+    token_mask = token_mask_of(t.token_mask, n, where);
     in.logits = logits.data_ptr<float>();
     in.num_tokens = n;
     in.num_experts = static_cast<int>(e);
     in.expert_bias = data_of<float>(expert_bias);
+    in.token_mask = mask_data(token_mask);
     in.mode = t.training ? mode::train : mode::eval;
     in.prior_bias = data_of<float>(prior_bias);
     in.prior_probs = data_of<float>(prior_probs);
@@ -135,8 +138,8 @@ struct checked_admission {
 // report[7] ("invalid").
 inline void admit_into(const runtime::router_config& c, const runtime::admission_config& a, const placement& where,
                        const at::Tensor& logits, const at::Tensor& routed, const at::Tensor& routed_gates,
-                       const admission_tensors& t, int threads, at::Tensor& indices, at::Tensor& gates,
-                       at::Tensor& status, at::Tensor& report) {
+                       const std::uint8_t* token_mask, const admission_tensors& t, int threads, at::Tensor& indices,
+                       at::Tensor& gates, at::Tensor& status, at::Tensor& report) {
   const std::int64_t n = logits.size(0), e = logits.size(1);
   const checked_admission checked_in(t, n, e, where);
   admission_inputs<float> in;
@@ -150,6 +153,7 @@ inline void admit_into(const runtime::router_config& c, const runtime::admission
   in.group_ids = data_of<std::int32_t>(checked_in.group_ids);
   in.num_groups = t.num_groups;
   in.capacity = data_of<std::int64_t>(checked_in.capacity);
+  in.token_mask = token_mask;
   indices = at::empty({n, c.top_k}, where.options(at::kInt));
   gates = at::empty({n, c.top_k}, where.options(at::kFloat));
   status = at::empty({n, c.top_k}, where.options(at::kChar));
@@ -191,17 +195,20 @@ inline void check_top_k(const runtime::router_config& c, int num_experts) {
 // indices, and nothing else computed or allocated. 16-bit logits are widened
 // exactly here (route() takes float32; mr.route widens them in Python).
 inline selection_result select_experts(const runtime::router_config& c, const at::Tensor& logits,
-                                       const std::optional<at::Tensor>& expert_bias, int threads) {
+                                       const std::optional<at::Tensor>& expert_bias,
+                                       const std::optional<at::Tensor>& token_mask, int threads) {
   return detail::translating_errors([&] {
     const detail::placement where = detail::placement_of(logits, "logits");
     const bool half = logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kHalf;
     const at::Tensor z = detail::logits_of(half ? logits.to(at::kFloat) : logits, where);
     const auto bias = detail::checked(expert_bias, "expert_bias", at::kFloat, {z.size(1)}, where);
+    const auto mask = detail::token_mask_of(token_mask, z.size(0), where);
     route_inputs<float> in;
     in.logits = z.data_ptr<float>();
     in.num_tokens = z.size(0);
     in.num_experts = static_cast<int>(z.size(1));
     in.expert_bias = detail::data_of<float>(bias);
+    in.token_mask = detail::mask_data(mask);
     in.mode = mode::eval;
     detail::check_top_k(c, in.num_experts);
     selection_result r{at::empty({in.num_tokens, c.top_k}, where.options(at::kFloat)),
@@ -273,8 +280,8 @@ inline route_result route(const runtime::router_config& c, const runtime::admiss
     } else {
       r.routed_indices = std::move(r.indices);
       r.routed_gates = std::move(r.gates);
-      detail::admit_into(c, a, where, call.logits, r.routed_indices, r.routed_gates, admission, threads, r.indices,
-                         r.gates, r.status, r.admission_report);
+      detail::admit_into(c, a, where, call.logits, r.routed_indices, r.routed_gates, call.in.token_mask, admission,
+                         threads, r.indices, r.gates, r.status, r.admission_report);
     }
     return r;
   });
@@ -331,15 +338,17 @@ struct admit_result {
 // Admission of a routing result routed_indices / routed_gates [N, K] of `logits`.
 inline admit_result admit(const runtime::router_config& c, const runtime::admission_config& a, const at::Tensor& logits,
                           const at::Tensor& routed_indices, const at::Tensor& routed_gates,
-                          const admission_tensors& t, int threads) {
+                          const std::optional<at::Tensor>& token_mask, const admission_tensors& t, int threads) {
   return detail::translating_errors([&] {
     const detail::placement where = detail::placement_of(logits, "logits");
     const at::Tensor z = detail::logits_of(logits, where);
     const std::int64_t n = z.size(0);
     const at::Tensor routed = detail::checked(routed_indices, "routed_indices", at::kInt, {n, c.top_k}, where);
     const at::Tensor gates_in = detail::checked(routed_gates, "routed_gates", at::kFloat, {n, c.top_k}, where);
+    const auto mask = detail::token_mask_of(token_mask, n, where);
     admit_result r;
-    detail::admit_into(c, a, where, z, routed, gates_in, t, threads, r.indices, r.gates, r.status, r.report);
+    detail::admit_into(c, a, where, z, routed, gates_in, detail::mask_data(mask), t, threads, r.indices, r.gates,
+                       r.status, r.report);
     return r;
   });
 }
@@ -410,7 +419,8 @@ struct expert_choice_result {
 
 namespace detail {
 inline expert_choice_inputs<float> expert_choice_inputs_of(const at::Tensor& z, const std::optional<at::Tensor>& groups,
-                                                           int num_groups, const std::optional<at::Tensor>& capacity) {
+                                                           int num_groups, const std::optional<at::Tensor>& capacity,
+                                                           const std::optional<at::Tensor>& token_mask) {
   expert_choice_inputs<float> in;
   in.logits = z.data_ptr<float>();
   in.num_tokens = z.size(0);
@@ -418,6 +428,7 @@ inline expert_choice_inputs<float> expert_choice_inputs_of(const at::Tensor& z, 
   in.group_ids = data_of<std::int32_t>(groups);
   in.num_groups = num_groups;
   in.capacity = data_of<std::int64_t>(capacity);
+  in.token_mask = mask_data(token_mask);
   return in;
 }
 }  // namespace detail
@@ -427,13 +438,15 @@ inline expert_choice_inputs<float> expert_choice_inputs_of(const at::Tensor& z, 
 // in report[3] ("invalid") rather than wait to raise.
 inline expert_choice_result expert_choice(const selection::expert_choice& p, const at::Tensor& logits,
                                           const std::optional<at::Tensor>& group_ids, int num_groups,
-                                          const std::optional<at::Tensor>& capacity, int threads) {
+                                          const std::optional<at::Tensor>& capacity,
+                                          const std::optional<at::Tensor>& token_mask, int threads) {
   return detail::translating_errors([&] {
     const detail::placement where = detail::placement_of(logits, "logits");
     const at::Tensor z = detail::logits_of(logits, where);
     const std::int64_t n = z.size(0), e = z.size(1);
     const auto groups = detail::checked(group_ids, "group_ids", at::kInt, {n}, where);
     const auto cap = detail::checked(capacity, "capacity", at::kLong, {e}, where);
+    const auto mask = detail::token_mask_of(token_mask, n, where);
     expert_choice_result r;
     r.indices = at::empty({n, e}, where.options(at::kInt));
     r.gates = at::empty({n, e}, where.options(at::kFloat));
@@ -443,7 +456,7 @@ inline expert_choice_result expert_choice(const selection::expert_choice& p, con
     out.indices = r.indices.data_ptr<std::int32_t>();
     out.gates = r.gates.data_ptr<float>();
     out.experts_per_token = r.experts_per_token.data_ptr<std::int32_t>();
-    const auto in = detail::expert_choice_inputs_of(z, groups, num_groups, cap);
+    const auto in = detail::expert_choice_inputs_of(z, groups, num_groups, cap, mask);
 #ifdef MOE_ROUTE_TORCH_WITH_CUDA
     if (where.cuda()) {
       const c10::DeviceGuard guard(where.device);
@@ -462,15 +475,17 @@ inline expert_choice_result expert_choice(const selection::expert_choice& p, con
 
 // dL/dlogits [N, E] of expert_choice's gates.
 inline at::Tensor expert_choice_backward(const at::Tensor& logits, const at::Tensor& indices,
-                                         const at::Tensor& grad_gates, int threads) {
+                                         const at::Tensor& grad_gates, const std::optional<at::Tensor>& token_mask,
+                                         int threads) {
   return detail::translating_errors([&] {
     const detail::placement where = detail::placement_of(logits, "logits");
     const at::Tensor z = detail::logits_of(logits, where);
     const std::int64_t n = z.size(0), e = z.size(1);
     const at::Tensor idx = detail::checked(indices, "indices", at::kInt, {n, e}, where);
     const at::Tensor dw = detail::checked(grad_gates, "grad_gates", at::kFloat, {n, e}, where);
+    const auto mask = detail::token_mask_of(token_mask, n, where);
     at::Tensor grad = at::empty({n, e}, where.options(at::kFloat));
-    const auto in = detail::expert_choice_inputs_of(z, std::nullopt, 1, std::nullopt);
+    const auto in = detail::expert_choice_inputs_of(z, std::nullopt, 1, std::nullopt, mask);
 #ifdef MOE_ROUTE_TORCH_WITH_CUDA
     if (where.cuda()) {
       const c10::DeviceGuard guard(where.device);

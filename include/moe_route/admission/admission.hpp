@@ -227,6 +227,7 @@ inline constexpr std::uint8_t state_status_mask = 3;
 inline constexpr std::uint8_t state_below_threshold = 4;
 inline constexpr std::uint8_t state_over_capacity = 8;
 inline constexpr std::uint8_t state_invalid = 16;
+inline constexpr std::uint8_t state_masked = 32;  // a padding token's slot: dropped, in no report count
 
 }  // namespace detail
 
@@ -264,6 +265,7 @@ struct admission_inputs {
   const std::int32_t* group_ids = nullptr;       // [N] admission group in [0, num_groups); null: one group
   int num_groups = 1;                            // G >= 1, G * E < 2^31
   const std::int64_t* capacity = nullptr;        // [E] C_e >= 0 for every group; null: capacity_factor rule
+  const std::uint8_t* token_mask = nullptr;      // [N] 0: a padding token, its slots -1 and unread; null: all valid
 };
 
 // Outputs of admit(), written for every slot.

@@ -126,6 +126,7 @@ void validate_training_values(const Router& r, const route_inputs<T>& in) {
   const int E = in.num_experts;
   if constexpr (Router::has_prior || traits::kl_to_base || traits::logit_l2) {
     for (std::int64_t t = 0; t < in.num_tokens; ++t) {
+      if (token_masked(in.token_mask, t)) continue;
       const std::int32_t row = in.token_prior_row[t];
       if (row < -1 || row >= in.prior_rows)
         fail("token_prior_row[" + std::to_string(t) + "] (= " + std::to_string(row) + ") must be -1 or in [0, prior_rows = " +
@@ -147,7 +148,7 @@ void validate_training_values(const Router& r, const route_inputs<T>& in) {
     const auto& lb = get<penalty::load_balance>(r);
     if (lb.over == penalty::load_balance::scope::sequence)
       for (std::int64_t t = 0; t < in.num_tokens; ++t)
-        if (in.sequence_ids[t] < 0 || in.sequence_ids[t] >= in.num_sequences)
+        if (!token_masked(in.token_mask, t) && (in.sequence_ids[t] < 0 || in.sequence_ids[t] >= in.num_sequences))
           fail("sequence_ids[" + std::to_string(t) + "] (= " + std::to_string(in.sequence_ids[t]) +
                ") must be in [0, num_sequences = " + std::to_string(in.num_sequences) + ")");
     if (lb.over == penalty::load_balance::scope::global_batch)

@@ -51,6 +51,7 @@ struct expert_choice_inputs {
   const std::int32_t* group_ids = nullptr;  // [N] in [0, num_groups); null: one group
   int num_groups = 1;
   const std::int64_t* capacity = nullptr;   // [E] C_e >= 0 for every group; null: the factor rule
+  const std::uint8_t* token_mask = nullptr; // [N] 0: a padding token no expert picks; null: all valid
 };
 
 struct expert_choice_report {

@@ -41,29 +41,47 @@ class MoERouteTopKRouter(TopKRouter):
                 lambda t: torch.distributed.all_reduce(t, group=group))
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """(probs [tokens, E], routing_map [tokens, E]) of logits [seq_length, batch, E], as TopKRouter.routing."""
-        if padding_mask is not None:
-            raise ValueError("moe_route: MoERouteTopKRouter does not take a padding_mask yet")
+        """(probs [tokens, E], routing_map [tokens, E]) of logits [seq_length, batch, E], as TopKRouter.routing.
+
+        padding_mask [seq_length, batch] (True: padding) leaves the padding tokens out
+        of the losses and the expert-bias loads, as Megatron does; unlike Megatron it
+        also routes them nowhere (empty routing_map rows, probs 0)."""
         seq_length, batch = logits.shape[:2]
         z = logits.reshape(-1, self.config.num_moe_experts)
         recorded = self.training and torch.is_grad_enabled()
         cfg = self.route_config
+        token_mask = None
+        if padding_mask is not None:
+            self._check_padding_mask(padding_mask, seq_length, batch)
+            token_mask = ~padding_mask.reshape(-1).to(device=z.device, dtype=torch.bool)
         extra = {}
         if cfg.load_balance_scope == "sequence":  # Megatron's tokens are [seq_length, batch]
             extra = dict(sequence_ids=torch.arange(z.shape[0], device=z.device) % batch, num_sequences=batch)
         elif self.global_load_balance is not None:
-            extra = dict(load_fractions=self.global_load_balance.load_fractions(z.detach()) if recorded
+            extra = dict(load_fractions=self.global_load_balance.load_fractions(z.detach(), token_mask) if recorded
                          else torch.zeros(z.shape[1], device=z.device))
-        res = route(z, cfg, training=recorded, expert_bias=self.expert_bias,
+        res = route(z, cfg, training=recorded, expert_bias=self.expert_bias, token_mask=token_mask,
                     admission=None if self.admission.is_dropless else self.admission, **extra)
         kept = res.indices >= 0
         slots = res.indices.clamp(min=0).long()
         probs = torch.zeros_like(z, dtype=res.gates.dtype).scatter_add(1, slots, res.gates * kept)
         routing_map = torch.zeros_like(z, dtype=torch.bool).scatter_add(1, slots, kept)
         if recorded and (cfg.load_balance or cfg.z_loss):
-            probs = self._attach_penalties(probs, res, z.shape[0])
+            probs = self._attach_penalties(probs, res, z.shape[0] if token_mask is None else token_mask.sum())
         self._apply_expert_bias(routing_map)
         return probs.type_as(logits), routing_map
+
+    def _check_padding_mask(self, padding_mask, seq_length, batch):
+        """What Megatron does with padding that the library does differently is refused."""
+        if padding_mask.shape != (seq_length, batch):
+            raise ValueError(f"moe_route: padding_mask must be [seq_length, batch] = [{seq_length}, {batch}], got "
+                             f"{list(padding_mask.shape)}")
+        if not self.admission.is_dropless:
+            raise ValueError("moe_route: a padding_mask with moe_expert_capacity_factor is not reproduced: Megatron's "
+                             "padding tokens take expert capacity (and count in it), the library's take none")
+        if self.route_config.load_balance and self.route_config.load_balance_scope == "sequence":
+            raise ValueError("moe_route: a padding_mask with seq_aux_loss is not reproduced: Megatron divides every "
+                             "sequence by the batch's mean valid length, the library by the sequence's own")
 
     def _attach_penalties(self, probs, res, num_tokens):
         """Megatron's attachment: the penalties' gradient joins the main loss's backward

@@ -136,6 +136,17 @@ const T* data_of(const std::optional<at::Tensor>& t) {
   return t ? t->data_ptr<T>() : nullptr;
 }
 
+// A valid-token mask [n] (torch.bool, true = valid) as the bytes the library
+// reads, or null; checked like every other tensor argument.
+inline std::optional<at::Tensor> token_mask_of(const std::optional<at::Tensor>& mask, std::int64_t n,
+                                               const placement& where) {
+  return checked(mask, "token_mask", at::kBool, {n}, where);
+}
+
+inline const std::uint8_t* mask_data(const std::optional<at::Tensor>& mask) {
+  return mask ? static_cast<const std::uint8_t*>(mask->data_ptr()) : nullptr;
+}
+
 // Bytes from torch's allocator on the call's device (the caching allocator on CUDA).
 inline at::Tensor bytes_on(std::size_t bytes, const placement& where) {
   return at::empty({static_cast<std::int64_t>(bytes)}, where.options(at::kByte));

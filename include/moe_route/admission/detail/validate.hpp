@@ -91,6 +91,7 @@ void validate_admission_data(const Router& r, const Policy&, const admission_inp
   const int k = r.top_k;
   const int e_count = in.num_experts;
   for (std::int64_t t = 0; t < in.num_tokens; ++t) {
+    if (moe_route::detail::token_masked(in.token_mask, t)) continue;
     const std::int32_t* idx = in.routed_indices + t * k;
     for (int j = 0; j < k; ++j) {
       if (idx[j] < 0 || idx[j] >= e_count)
@@ -147,7 +148,7 @@ template <class T>
 void validate_expert_choice_data(const expert_choice_inputs<T>& in) {
   if (in.group_ids != nullptr)
     for (std::int64_t t = 0; t < in.num_tokens; ++t)
-      if (in.group_ids[t] < 0 || in.group_ids[t] >= in.num_groups)
+      if (!moe_route::detail::token_masked(in.token_mask, t) && (in.group_ids[t] < 0 || in.group_ids[t] >= in.num_groups))
         fail("group_ids[" + std::to_string(t) + "] (= " + std::to_string(in.group_ids[t]) +
              ") is outside [0, num_groups = " + std::to_string(in.num_groups) + ")");
   if (in.capacity != nullptr)
@@ -188,9 +189,11 @@ inline void validate_dispatch_data(const dispatch_inputs& in) {
 
 // The admitted indices of a backward (cpu::backward, on the host): -1 or experts, and a rerouted slot must bring the
 // token a new expert.
-inline void validate_admitted(const backward_args& args, std::int64_t num_tokens, int k, int num_experts) {
+inline void validate_admitted(const backward_args& args, std::int64_t num_tokens, int k, int num_experts,
+                              const std::uint8_t* token_mask) {
   using moe_route::admission::slot_status;
   for (std::int64_t t = 0; t < num_tokens; ++t) {
+    if (moe_route::detail::token_masked(token_mask, t)) continue;
     const std::int32_t* routed = args.indices + t * k;
     const std::int32_t* admitted = args.admitted_indices + t * k;
     for (int j = 0; j < k; ++j) {

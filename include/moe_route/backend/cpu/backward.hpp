@@ -2,6 +2,7 @@
 //   void cpu::backward(router, inputs, backward_args, execution)
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -35,10 +36,10 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
   const int k = r.top_k;
   const std::int64_t entries = in.num_tokens * k;
   for (std::int64_t i = 0; i < entries; ++i)
-    if (args.indices[i] < 0 || args.indices[i] >= num_experts)
+    if (!moe_route::detail::token_masked(in.token_mask, i / k) && (args.indices[i] < 0 || args.indices[i] >= num_experts))
       moe_route::detail::fail("indices[" + std::to_string(i) + "] (= " + std::to_string(args.indices[i]) +
                               ") is not an expert in [0, num_experts)");
-  if (args.admitted_indices != nullptr) admission::detail::validate_admitted(args, in.num_tokens, k, num_experts);
+  if (args.admitted_indices != nullptr) admission::detail::validate_admitted(args, in.num_tokens, k, num_experts, in.token_mask);
   const penalty::switches on = penalty::active(r, in);
   const bool penalties = Router::has_penalties && on.any() && in.num_tokens > 0;
   std::optional<detail::workspace_view> ws;
@@ -56,6 +57,10 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
     for (std::int64_t t = begin; t < end; ++t) {
       const T* z = in.logits + t * num_experts;
       float* dz = args.grad_logits + t * num_experts;
+      if (moe_route::detail::token_masked(in.token_mask, t)) {
+        std::fill_n(dz, num_experts, 0.0f);
+        continue;
+      }
       bool biased = false;
       if constexpr (Router::template has<prior::log_prior_bias>) {
         // With bias_gates the gates were computed from z', and dL/dz = dL/dz'.

@@ -2,6 +2,7 @@
 //   route_report cpu::route(router, inputs, outputs, execution)
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -45,6 +46,13 @@ route_report route(const Router& r, const route_inputs<T>& in, const route_outpu
                                                    detail::row_scratch& scratch) {
     std::int64_t bad = 0;
     for (std::int64_t t = begin; t < end; ++t) {
+      if (moe_route::detail::token_masked(in.token_mask, t)) {
+        std::fill_n(out.indices + t * k, k, -1);
+        std::fill_n(out.gates + t * k, k, 0.0f);
+        if constexpr (Router::has_penalties)
+          if (penalties) detail::clear_token_values<Router>(*ws, t);
+        continue;
+      }
       bad += detail::route_token(r, in, t, scratch, out.indices + t * k, out.gates + t * k);
       if constexpr (Router::has_penalties)
         if (penalties) detail::penalty_forward_row(r, in, on, out.indices, t, scratch.penalties, partials[worker], *ws);

@@ -26,6 +26,7 @@ using moe_route::admission::detail::state_below_threshold;
 using moe_route::admission::detail::state_dropped;
 using moe_route::admission::detail::state_invalid;
 using moe_route::admission::detail::state_kept;
+using moe_route::admission::detail::state_masked;
 using moe_route::admission::detail::state_over_capacity;
 using moe_route::admission::detail::state_pending;
 using moe_route::admission::detail::state_rerouted;
@@ -84,14 +85,21 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
   const int k = r.top_k;
   const int e_count = in.num_experts;
   const std::int64_t slots = n_tokens * k;
+  auto masked = [&](std::int64_t t) { return num::token_masked(in.token_mask, t); };
   admission_report rep;
-  rep.offered = slots;
 
   if constexpr (Policy::is_dropless) {
-    std::copy(in.routed_indices, in.routed_indices + slots, out.indices);
-    std::copy(in.routed_gates, in.routed_gates + slots, out.gates);
-    if (out.status != nullptr) std::fill(out.status, out.status + slots, static_cast<std::int8_t>(slot_status::kept));
-    rep.kept = slots;
+    for (std::int64_t t = 0; t < n_tokens; ++t) {
+      const bool pad = masked(t);
+      for (std::int64_t s = t * k; s < (t + 1) * k; ++s) {
+        out.indices[s] = pad ? -1 : in.routed_indices[s];
+        out.gates[s] = pad ? 0.0f : in.routed_gates[s];
+        if (out.status != nullptr)
+          out.status[s] = static_cast<std::int8_t>(pad ? slot_status::dropped : slot_status::kept);
+      }
+      rep.kept += pad ? 0 : k;
+    }
+    rep.offered = rep.kept;
     if (out.report != nullptr) *out.report = rep;
     return rep;
   } else {
@@ -104,7 +112,8 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
     auto group_of = [&](std::int64_t t) { return in.group_ids != nullptr ? in.group_ids[t] : 0; };
 
     std::vector<std::int64_t> group_tokens(groups, 0);
-    for (std::int64_t t = 0; t < n_tokens; ++t) ++group_tokens[group_of(t)];
+    for (std::int64_t t = 0; t < n_tokens; ++t)
+      if (!masked(t)) ++group_tokens[group_of(t)];
     std::vector<std::int64_t> factor_capacity(groups);
     for (int g = 0; g < groups; ++g)
       factor_capacity[g] = capacity_from_factor(p.capacity_factor, p.min_capacity, group_tokens[g], k, e_count);
@@ -120,6 +129,10 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
     parallel_blocks(n_tokens, threads, [&](std::int64_t begin, std::int64_t end, int) {
       row_buffers buf(e_count);
       for (std::int64_t t = begin; t < end; ++t) {
+        if (masked(t)) {
+          std::fill_n(state.begin() + t * k, k, static_cast<std::uint8_t>(state_dropped | state_masked));
+          continue;
+        }
         const T* z = in.logits + t * e_count;
         row_stats st;
         if constexpr (aff_row) {
@@ -282,8 +295,14 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
     parallel_blocks(n_tokens, threads, [&](std::int64_t begin, std::int64_t end, int) {
       row_buffers buf(e_count);
       for (std::int64_t t = begin; t < end; ++t) {
-        const std::int32_t* routed = in.routed_indices + t * k;
         std::int32_t* admitted = out.indices + t * k;
+        if (masked(t)) {
+          std::fill_n(admitted, k, -1);
+          std::fill_n(out.gates + t * k, k, 0.0f);
+          if (out.status != nullptr) std::fill_n(out.status + t * k, k, static_cast<std::int8_t>(slot_status::dropped));
+          continue;
+        }
+        const std::int32_t* routed = in.routed_indices + t * k;
         bool any_rerouted = false;
         for (int j = 0; j < k; ++j) {
           const std::uint8_t s = state[t * k + j] & state_status_mask;
@@ -313,6 +332,8 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
 
     // 5. Report.
     for (std::int64_t t = 0; t < n_tokens; ++t) {
+      if (masked(t)) continue;
+      rep.offered += k;
       int survivors = 0;
       for (int j = 0; j < k; ++j) {
         const std::uint8_t s = state[t * k + j];

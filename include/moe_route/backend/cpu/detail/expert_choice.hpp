@@ -31,6 +31,7 @@ expert_choice_report expert_choice(const selection::expert_choice& p, const expe
   }
   const int groups = in.num_groups;
   auto group_of = [&](std::int64_t t) { return in.group_ids != nullptr ? in.group_ids[t] : 0; };
+  auto masked = [&](std::int64_t t) { return num::token_masked(in.token_mask, t); };
 
   // Scores s_{t,e}.
   std::vector<float> score(static_cast<std::size_t>(pairs));
@@ -38,20 +39,24 @@ expert_choice_report expert_choice(const selection::expert_choice& p, const expe
   parallel_blocks(n_tokens, threads, [&](std::int64_t begin, std::int64_t end, int) {
     row_buffers buf(e_count);
     for (std::int64_t t = begin; t < end; ++t) {
+      if (masked(t)) continue;
       sanitized_row(in.logits + t * e_count, e_count, buf.v.data());
       const row_stats st = softmax_row_stats(buf.v.data(), e_count, buf.t.data());
       for (int e = 0; e < e_count; ++e) score[t * e_count + e] = softmax_score_from_term(buf.t[e], st);
     }
   });
 
-  // The tokens of every group, in token order.
+  // The valid tokens of every group, in token order.
   std::vector<std::int64_t> group_start(static_cast<std::size_t>(groups) + 1, 0);
-  for (std::int64_t t = 0; t < n_tokens; ++t) ++group_start[group_of(t) + 1];
+  for (std::int64_t t = 0; t < n_tokens; ++t)
+    if (!masked(t)) ++group_start[group_of(t) + 1];
   for (int g = 0; g < groups; ++g) group_start[g + 1] += group_start[g];
-  std::vector<std::int32_t> members(static_cast<std::size_t>(n_tokens));
+  const std::int64_t n_members = group_start[groups];
+  std::vector<std::int32_t> members(static_cast<std::size_t>(n_members));
   {
     std::vector<std::int64_t> cursor(group_start.begin(), group_start.end() - 1);
-    for (std::int64_t t = 0; t < n_tokens; ++t) members[cursor[group_of(t)]++] = static_cast<std::int32_t>(t);
+    for (std::int64_t t = 0; t < n_tokens; ++t)
+      if (!masked(t)) members[cursor[group_of(t)]++] = static_cast<std::int32_t>(t);
   }
 
   // Every (group, expert) keeps its top C_e tokens by rank_key. The scores of
@@ -66,17 +71,17 @@ expert_choice_report expert_choice(const selection::expert_choice& p, const expe
   constexpr int chunk = 16;
   const std::int64_t chunks = (e_count + chunk - 1) / chunk;
   parallel_blocks(chunks, resolve_threads(ex, chunks, 1), [&](std::int64_t begin, std::int64_t end, int) {
-    std::vector<float> column(static_cast<std::size_t>(n_tokens) * chunk);
+    std::vector<float> column(static_cast<std::size_t>(n_members) * chunk);
     std::vector<std::int32_t> histogram(4096);
     std::vector<std::uint64_t> boundary;
     for (std::int64_t c = begin; c < end; ++c) {
       const int e0 = static_cast<int>(c) * chunk, e1 = std::min(e_count, e0 + chunk);
-      for (std::int64_t i = 0; i < n_tokens; ++i) {
+      for (std::int64_t i = 0; i < n_members; ++i) {
         const float* row = score.data() + static_cast<std::int64_t>(members[i]) * e_count;
-        for (int e = e0; e < e1; ++e) column[static_cast<std::size_t>((e - e0) * n_tokens + i)] = row[e];
+        for (int e = e0; e < e1; ++e) column[static_cast<std::size_t>((e - e0) * n_members + i)] = row[e];
       }
       for (int e = e0; e < e1; ++e) {
-        const float* col = column.data() + static_cast<std::int64_t>(e - e0) * n_tokens;
+        const float* col = column.data() + static_cast<std::int64_t>(e - e0) * n_members;
         auto take = [&](std::int64_t t) { chosen[t * e_count + e] = 1; };
         for (int g = 0; g < groups; ++g) {
           const std::int64_t first = group_start[g], size = group_start[g + 1] - first;
@@ -135,6 +140,7 @@ expert_choice_report expert_choice(const selection::expert_choice& p, const expe
     }
   });
   for (std::int64_t t = 0; t < n_tokens; ++t) {
+    if (masked(t)) continue;
     rep.assignments += per_token[t];
     rep.tokens_without_experts += per_token[t] == 0;
     rep.max_experts_per_token = std::max(rep.max_experts_per_token, per_token[t]);
@@ -151,11 +157,15 @@ void expert_choice_backward(const expert_choice_inputs<T>& in, const std::int32_
   parallel_blocks(in.num_tokens, resolve_threads(ex, in.num_tokens, 256), [&](std::int64_t begin, std::int64_t end, int) {
     row_buffers buf(e_count);
     for (std::int64_t t = begin; t < end; ++t) {
+      float* dz = grad_logits + t * e_count;
+      if (num::token_masked(in.token_mask, t)) {
+        std::fill_n(dz, e_count, 0.0f);
+        continue;
+      }
       sanitized_row(in.logits + t * e_count, e_count, buf.v.data());
       const row_stats st = softmax_row_stats(buf.v.data(), e_count, buf.t.data());
       const std::int32_t* idx = indices + t * e_count;
       const float* dg = grad_gates + t * e_count;
-      float* dz = grad_logits + t * e_count;
       // <ds, s> in the canonical lane order (slot j in lane j mod 32), as a CUDA warp computes it.
       float lanes[num::reduction_lanes] = {};
       for (int j = 0; j < e_count; ++j)

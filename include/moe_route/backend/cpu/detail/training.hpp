@@ -241,6 +241,13 @@ void prepare_partials(const Router& r, const route_inputs<T>& in, penalty_partia
   }
 }
 
+// Zeroes token t's per-token penalty values (a row outside every sum).
+template <class Router>
+void clear_token_values(const workspace_view& ws, std::int64_t t) {
+  constexpr int columns = penalty::penalty_traits<Router>::scalar_penalties;
+  std::fill_n(ws.token_values + t * columns, columns, 0.0);
+}
+
 // The forward of the penalties for token t: its per-token values into the
 // workspace, its sums into `part`.
 template <class Router, class T>
@@ -249,9 +256,8 @@ void penalty_forward_row(const Router& r, const route_inputs<T>& in, const penal
                          const workspace_view& ws) {
   using traits = penalty::penalty_traits<Router>;
   const int E = in.num_experts, k = r.top_k;
-  constexpr int columns = traits::scalar_penalties;
-  double* values = ws.token_values + t * columns;
-  for (int c = 0; c < columns; ++c) values[c] = 0.0;
+  clear_token_values<Router>(ws, t);
+  double* values = ws.token_values + t * traits::scalar_penalties;
   penalty_row<Router> row(sc, in.logits + t * E, E, on.distribution || on.kl_to_base, traits::z_loss && on.z_loss);
   if (!row.valid) return;
   ++part.valid_tokens;
