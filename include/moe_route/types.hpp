@@ -104,6 +104,9 @@ struct route_inputs {
   // routed nowhere (indices -1, gates 0), in no penalty, count or gradient, its
   // row never read; null: every token is valid.
   const std::uint8_t* token_mask = nullptr;  // [N]
+  // Routing replay (docs/policies.md §2.9): the experts of each token, given by
+  // the caller, instead of the selection's; K distinct experts per valid token.
+  const std::int32_t* replay_indices = nullptr;  // [N x K]
 
   // Training policies (router<..., Policies...>). mode::eval turns every prior
   // policy and penalty off, so the same inputs can be probed bias-free.

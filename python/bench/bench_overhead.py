@@ -45,7 +45,7 @@ def main():
           "select_experts / topk | operator / topk | operator, grad / topk | mr.route / topk |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     route_op = lambda z: ops.route(z, text, None, None, None, None, None, 0, None, None, 0, True, "",  # noqa: E731
-                                   None, None, None, 1, None, None, 1)
+                                   None, None, None, 1, None, None, None, 1)
     for n in (1, 16, 256):
         z = torch.randn(n, E, generator=torch.Generator().manual_seed(n))
         z_grad = z.clone().requires_grad_()

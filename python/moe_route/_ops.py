@@ -38,11 +38,11 @@ def _on_device_of(first, first_name, **tensors):
 @torch.library.register_fake("moe_route::route")
 def _route_fake(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids, num_sequences,
                 load_fractions, expert_rank, rank, training, admission, hidden_norms, weight_norms, group_ids,
-                num_groups, capacity, token_mask, threads):
+                num_groups, capacity, token_mask, replay_indices, threads):
     _on_device_of(logits, "logits", expert_bias=expert_bias, prior_bias=prior_bias, prior_probs=prior_probs,
                   token_prior_row=token_prior_row, sequence_ids=sequence_ids, load_fractions=load_fractions,
                   expert_rank=expert_rank, hidden_norms=hidden_norms, weight_norms=weight_norms, group_ids=group_ids,
-                  capacity=capacity, token_mask=token_mask)
+                  capacity=capacity, token_mask=token_mask, replay_indices=replay_indices)
     n, e = logits.shape
     top_k, fixed, per_value, chunk = _C.route_shape(config, int(e), int(num_sequences))
     workspace = fixed + per_value * (n + (n + chunk - 1) // chunk)

@@ -114,7 +114,7 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
           group_ids: Optional[Tensor] = None, num_groups: int = 1,
           hidden_norms: Optional[Tensor] = None, weight_norms: Optional[Tensor] = None,
           capacity: Optional[Tensor] = None,
-          token_mask: Optional[Tensor] = None,
+          token_mask: Optional[Tensor] = None, replay_indices: Optional[Tensor] = None,
           dispatch_align: int = 1, num_ranks: Optional[int] = None,
           threads: Optional[int] = None) -> RouteResult:
     """Route logits [N, E] with `config`; optionally admit with `admission`
@@ -128,7 +128,10 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
     are the admission groups (one per expert-parallel rank's micro-batch).
     token_mask [N] bool marks the valid tokens (False: padding): a padding token
     gets indices -1 and gates 0 and is in no loss, count, capacity or gradient
-    (docs/policies.md, "Token mask").
+    (docs/policies.md, "Token mask"). replay_indices [N, K] int32 are experts
+    chosen elsewhere (an inference engine's, for RL on its routing): the call
+    routes to them instead of selecting, with gates, penalties, admission and
+    gradients as for its own choice (docs/policies.md §2.9).
     """
     if not isinstance(config, RouterConfig):
         raise TypeError(f"moe_route: config must be a RouterConfig, got {type(config).__name__}")
@@ -149,7 +152,7 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
         z, config.to_text(), expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
         0 if num_sequences is None else int(num_sequences), load_fractions, expert_rank, int(rank), bool(training),
         admission.to_text() if admitting else "", hidden_norms, weight_norms, group_ids, int(num_groups), capacity,
-        token_mask, _threads(threads))
+        token_mask, replay_indices, _threads(threads))
     if num_ranks is None:
         num_ranks = int(expert_rank.max().item()) + 1 if expert_rank is not None and expert_rank.numel() else 1
     meta = dispatch(indices, z.shape[1], align=dispatch_align, num_ranks=num_ranks, expert_rank=expert_rank)

@@ -121,13 +121,14 @@ std::tuple<tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, tenso
     const optional_tensor& expert_rank, std::int64_t rank, bool training, c10::string_view admission,
     const optional_tensor& hidden_norms, const optional_tensor& weight_norms, const optional_tensor& group_ids,
     std::int64_t num_groups, const optional_tensor& capacity, const optional_tensor& token_mask,
-    std::int64_t threads) {
+    const optional_tensor& replay_indices, std::int64_t threads) {
   const rt::router_config c = router_config_of(config);
   const rt::admission_config a = admission_config_of(admission);
+  ad::route_tensors t = route_tensors_of(logits, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
+                                         num_sequences, load_fractions, expert_rank, rank, training, token_mask);
+  t.replay_indices = replay_indices;
   const ad::route_result r =
-      ad::route(c, a,
-                route_tensors_of(logits, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
-                                 num_sequences, load_fractions, expert_rank, rank, training, token_mask),
+      ad::route(c, a, t,
                 admission_tensors_of(hidden_norms, weight_norms, group_ids, num_groups, capacity), threads_of(threads));
   return {r.gates, float_values(r.penalty_values), r.indices, r.routed_indices, r.routed_gates, r.status, r.workspace,
           r.nonfinite_rows, r.admission_report};
@@ -287,11 +288,11 @@ class route_function : public torch::autograd::Function<route_function> {
                                const optional_tensor& hidden_norms, const optional_tensor& weight_norms,
                                const optional_tensor& group_ids, std::int64_t num_groups,
                                const optional_tensor& capacity, const optional_tensor& token_mask,
-                               std::int64_t threads) {
+                               const optional_tensor& replay_indices, std::int64_t threads) {
     auto [gates, values, indices, routed_indices, routed_gates, status, workspace, nonfinite_rows, report] =
         below_autograd<decltype(route), route_name>(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
                        num_sequences, load_fractions, expert_rank, rank, training, admission, hidden_norms,
-                       weight_norms, group_ids, num_groups, capacity, token_mask, threads);
+                       weight_norms, group_ids, num_groups, capacity, token_mask, replay_indices, threads);
     // Under admission the backward takes the routed experts and the admitted ones.
     const rt::admission_config& a = admission_config_of(admission);
     const bool admitting = !a.dropless;
@@ -336,15 +337,15 @@ std::tuple<tensor, tensor, tensor, tensor, tensor, tensor, tensor, tensor, tenso
     const optional_tensor& expert_rank, std::int64_t rank, bool training, c10::string_view admission,
     const optional_tensor& hidden_norms, const optional_tensor& weight_norms, const optional_tensor& group_ids,
     std::int64_t num_groups, const optional_tensor& capacity, const optional_tensor& token_mask,
-    std::int64_t threads) {
+    const optional_tensor& replay_indices, std::int64_t threads) {
   if (!recorded(logits))
     return below_autograd<decltype(route), route_name>(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
                           num_sequences, load_fractions, expert_rank, rank, training, admission, hidden_norms,
-                          weight_norms, group_ids, num_groups, capacity, token_mask, threads);
+                          weight_norms, group_ids, num_groups, capacity, token_mask, replay_indices, threads);
   const variable_list r =
       route_function::apply(logits, config, expert_bias, prior_bias, prior_probs, token_prior_row, sequence_ids,
                             num_sequences, load_fractions, expert_rank, rank, training, admission, hidden_norms,
-                            weight_norms, group_ids, num_groups, capacity, token_mask, threads);
+                            weight_norms, group_ids, num_groups, capacity, token_mask, replay_indices, threads);
   return {r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]};
 }
 
@@ -485,7 +486,8 @@ TORCH_LIBRARY(moe_route, m) {
       "route(Tensor logits, str config, Tensor? expert_bias, Tensor? prior_bias, Tensor? prior_probs, "
       "Tensor? token_prior_row, Tensor? sequence_ids, int num_sequences, Tensor? load_fractions, "
       "Tensor? expert_rank, int rank, bool training, str admission, Tensor? hidden_norms, Tensor? weight_norms, "
-      "Tensor? group_ids, int num_groups, Tensor? capacity, Tensor? token_mask, int threads) -> (Tensor gates, "
+      "Tensor? group_ids, int num_groups, Tensor? capacity, Tensor? token_mask, Tensor? replay_indices, int threads) "
+      "-> (Tensor gates, "
       "Tensor penalty_values, "
       "Tensor indices, Tensor routed_indices, Tensor routed_gates, Tensor status, Tensor workspace, "
       "Tensor nonfinite_rows, Tensor admission_report)");

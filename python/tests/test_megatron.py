@@ -51,7 +51,8 @@ def _bias(seed):
     return torch.randn(E, generator=torch.Generator().manual_seed(seed + 100)) * 0.5
 
 
-def megatron_route(fields, logits, expert_bias=None, upstream=None, router_class=TopKRouter, padding_mask=None):
+def megatron_route(fields, logits, expert_bias=None, upstream=None, router_class=TopKRouter, padding_mask=None,
+                   prepare=None):
     """Megatron's probs, routing map, loss values (coefficient included), logits
     gradient of sum(upstream * probs) (aux losses through their scaler) and its
     tokens_per_expert for the expert-bias update."""
@@ -63,6 +64,8 @@ def megatron_route(fields, logits, expert_bias=None, upstream=None, router_class
     router.set_layer_number(1)
     if expert_bias is not None:
         router.expert_bias.copy_(expert_bias)
+    if prepare is not None:
+        prepare(router)
     moe_utils.clear_aux_losses_tracker()
     z = logits.clone().requires_grad_()
     probs, routing_map = router.routing(z, padding_mask=padding_mask)
@@ -224,6 +227,47 @@ def test_the_megatron_integration_router_with_a_padding_mask_equals_topkrouter_o
     assert torch.equal(got[3][~valid], torch.zeros_like(got[3][~valid]))
     if bias is not None:
         assert torch.equal(got[4], want[4])
+
+
+@pytest.mark.parametrize("name", ["softmax_after_topk", "pre_softmax_scaled", "sigmoid_bias", "drop_probs"])
+def test_the_megatron_integration_router_records_and_replays_as_topkrouter(name):
+    # Megatron's RouterReplay (moe_enable_routing_replay): RECORD keeps the chosen experts,
+    # REPLAY_FORWARD routes to given ones; MoERouteTopKRouter does both through route().
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+    from moe_route.integrations.megatron import MoERouteTopKRouter
+
+    fields = dict(CASES[name], moe_enable_routing_replay=True)
+    logits = _logits(6)
+    bias = _bias(6) if fields.get("moe_router_enable_expert_bias") else None
+    upstream = torch.randn(N, E, generator=torch.Generator().manual_seed(13))
+    k = fields["moe_router_topk"]
+    target = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:k] for t in range(N)])
+    outputs, recorded = {}, {}
+    try:
+        for action in (RouterReplayAction.RECORD, RouterReplayAction.REPLAY_FORWARD):
+            for router_class in (TopKRouter, MoERouteTopKRouter):
+                RouterReplay.clear_global_router_replay_instances()
+                routers = []
+
+                def prepare(router):
+                    router.router_replay.set_target_indices(target)
+                    router.router_replay.set_router_replay_action(action)
+                    routers.append(router)
+
+                outputs[action, router_class] = megatron_route(fields, logits, bias, upstream,
+                                                               router_class=router_class, prepare=prepare)
+                recorded[action, router_class] = routers[0].router_replay.get_recorded_indices()
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+    for action in (RouterReplayAction.RECORD, RouterReplayAction.REPLAY_FORWARD):
+        want, got = outputs[action, TopKRouter], outputs[action, MoERouteTopKRouter]
+        assert torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
+        for key in want[2]:
+            torch.testing.assert_close(got[2][key], want[2][key], rtol=1e-5, atol=0.0)
+        torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5 * float(want[3].abs().max()))
+    mine, theirs = recorded[RouterReplayAction.RECORD, MoERouteTopKRouter], recorded[RouterReplayAction.RECORD, TopKRouter]
+    assert torch.equal(mine.sort(dim=1).values, theirs.sort(dim=1).values)
 
 
 def test_the_megatron_integration_router_refuses_what_from_megatron_refuses():

@@ -20,7 +20,7 @@ def _logits(n=N, e=E, requires_grad=False):
 def _route_args(z, cfg, admission="", *, expert_bias=None, prior=(None, None, None), hidden_norms=None,
                 weight_norms=None):
     return (z, cfg.to_text(), expert_bias, *prior, None, 0, None, None, 0, True, admission, hidden_norms,
-            weight_norms, None, 1, None, None, 1)
+            weight_norms, None, 1, None, None, None, 1)
 
 
 def _prior(n=N, e=E, rows=3):
@@ -98,7 +98,9 @@ def test_opcheck_with_token_mask():
     mask = torch.arange(N) % 3 != 1
     z = _logits(requires_grad=True)
     args = list(_route_args(z, cfg, mr.Admission.capacity_probs(1.0).to_text()))
-    args[-2] = mask
+    args[-3] = mask
+    torch.library.opcheck(ops.route.default, tuple(args))
+    args[-2] = ops.route(*_route_args(z.detach(), cfg))[2].flip(1).contiguous()  # replay: a routing of its own
     torch.library.opcheck(ops.route.default, tuple(args))
     out = ops.route(*_route_args(z.detach(), cfg))
     routed, workspace = out[2], out[6]

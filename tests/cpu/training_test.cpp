@@ -111,9 +111,11 @@ struct lib_run {
 
 template <class Router>
 lib_run<Router> run_lib(const Router& r, const batch& b, const std::vector<float>& grad_gates,
-                        const std::vector<float>& penalty_grads, int threads = 1) {
+                        const std::vector<float>& penalty_grads, int threads = 1,
+                        const std::vector<std::int32_t>* replay = nullptr) {
   lib_run<Router> out;
-  const auto in = b.inputs();
+  auto in = b.inputs();
+  if (replay != nullptr) in.replay_indices = replay->data();
   const int K = r.top_k;
   out.idx.assign(b.N * K, -7);
   out.gates.assign(b.N * K, -7.0f);
@@ -352,17 +354,20 @@ std::vector<std::int32_t> reference_indices(const policies& p, const ref::spec& 
 
 // Forward (indices, gates, values) and backward (finite differences of loss())
 // of the library against the reference.
+// With `replay`, the forward routes to those experts (docs/policies.md §2.9)
+// and the reference holds them instead of its own selection.
 template <class Router>
-void check_training(const Router& r, const batch& b, ref::rng& g, int threads = 1) {
+void check_training(const Router& r, const batch& b, ref::rng& g, int threads = 1,
+                    const std::vector<std::int32_t>* replay = nullptr) {
   const policies p = policies_of(r);
   const ref::spec sp = ref::spec_of(r);
   const int K = r.top_k, E = b.E;
   std::vector<float> c(b.N * K), u(std::max(1, Router::num_penalties));
   for (auto& x : c) x = static_cast<float>(g.normal());
   for (auto& x : u) x = static_cast<float>(g.uniform(0.5, 2.0));
-  const auto lib = run_lib(r, b, c, u, threads);
+  const auto lib = run_lib(r, b, c, u, threads, replay);
 
-  const auto idx = reference_indices(p, sp, b);
+  const auto idx = replay != nullptr ? *replay : reference_indices(p, sp, b);
   CHECK_MESSAGE(lib.idx == idx, "indices differ from the reference");
 
   std::vector<double> z(b.z.begin(), b.z.end());
@@ -968,4 +973,107 @@ TEST_CASE("token mask: grouped and expert-bias selections") {
   mr::router<mr::gating::sigmoid, mr::selection::expert_bias, 8> biased;
   biased.top_k = 6;
   check_masked_training(mr::with_policies(biased, pen::z_loss{0.2f}), b, mask, g);
+}
+
+// ---------------------------------------------------------------------------
+// Routing replay (docs/policies.md §2.9).
+
+namespace {
+
+// K distinct experts per token, none of them necessarily the router's choice.
+std::vector<std::int32_t> random_experts(ref::rng& g, std::int64_t N, int E, int K) {
+  std::vector<std::int32_t> idx(N * K);
+  std::vector<std::int32_t> all(E);
+  for (std::int64_t t = 0; t < N; ++t) {
+    std::iota(all.begin(), all.end(), 0);
+    for (int j = 0; j < K; ++j) std::swap(all[j], all[j + g.integer(0, E - 1 - j)]);
+    std::copy_n(all.begin(), K, idx.begin() + t * K);
+  }
+  return idx;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("routing replay: gates, penalties and gradients at the caller's experts, by finite differences", G,
+                   mr::gating::softmax, mr::gating::sigmoid, mr::gating::sqrt_softplus,
+                   mr::gating::softmax_after_topk) {
+  ref::rng g(41);
+  const batch b = make_batch(g, 23, 11, 4);
+  const auto base = base_router<G>(3);
+  const auto replay = random_experts(g, b.N, b.E, 3);
+  SUBCASE("plain") { check_training(base, b, g, 1, &replay); }
+  SUBCASE("every penalty and the soft prior") {
+    check_training(mr::with_policies(base, pri::log_prior_bias{0.8f}, pen::load_balance{0.5f}, pen::z_loss{0.01f},
+                                     pen::kl_to_base{0.3f}, pen::logit_l2{0.1f}, pen::locality{0.4f, 0.01f}),
+                   b, g, 2, &replay);
+  }
+  SUBCASE("load balance over sequences") {
+    check_training(mr::with_policies(base, pen::load_balance{0.7f, pen::load_balance::scope::sequence}), b, g, 1,
+                   &replay);
+  }
+  SUBCASE("prior_override: the replay wins") {
+    check_training(mr::with_policies(base, pri::prior_override{}), b, g, 1, &replay);
+  }
+}
+
+TEST_CASE("routing replay of the router's own choice is the normal call, bit for bit") {
+  ref::rng g(42);
+  batch b = make_batch(g, 90, 64, 5);
+  b.expert_bias.resize(64);
+  for (auto& x : b.expert_bias) x = static_cast<float>(g.uniform(-0.3, 0.3));
+  std::vector<float> c(b.N * 8), u(5, 1.25f);
+  for (auto& x : c) x = static_cast<float>(g.normal());
+  auto same = [&](const auto& r) {
+    const auto normal = run_lib(r, b, c, u, 1);
+    const auto replayed = run_lib(r, b, c, u, 2, &normal.idx);
+    CHECK(replayed.idx == normal.idx);
+    CHECK(std::memcmp(replayed.gates.data(), normal.gates.data(), normal.gates.size() * 4) == 0);
+    CHECK(std::memcmp(replayed.values.data(), normal.values.data(), normal.values.size() * 8) == 0);
+    CHECK(std::memcmp(replayed.dz.data(), normal.dz.data(), normal.dz.size() * 4) == 0);
+  };
+  mr::router<mr::gating::sigmoid, mr::selection::group_limited<mr::selection::expert_bias>, 8> v3;
+  v3.top_k = 8;
+  v3.selection.groups = 8;
+  v3.selection.top_groups = 4;
+  same(mr::with_policies(v3, pen::load_balance{0.3f}, pen::z_loss{0.1f}));
+  mr::router<mr::gating::softmax_after_topk, mr::selection::top_k, 8> mixtral;
+  mixtral.top_k = 2;
+  same(mr::with_policies(mixtral, pri::log_prior_bias{1.0f}, pen::load_balance{0.3f}));
+  mr::router<mr::gating::softmax, mr::selection::top_k, 8> softmax;
+  softmax.top_k = 6;
+  softmax.scaling_factor = 2.5f;
+  same(mr::with_policies(softmax, pri::log_prior_bias{0.5f, false}, pen::kl_to_base{0.2f}));
+}
+
+TEST_CASE("routing replay: an expert out of range or repeated in a row is refused by name, nothing written") {
+  ref::rng g(43);
+  const batch b = make_batch(g, 6, 8, 2);
+  const auto r = mr::with_policies(base_router<mr::gating::softmax>(3), pen::z_loss{0.1f});
+  for (const auto& [bad, message] : {std::pair<std::int32_t, const char*>{8, "replay_indices[7] (= 8) is not an expert"},
+                                     {-1, "replay_indices[7] (= -1) is not an expert"},
+                                     {1, "token 2 replays expert 1 twice"}}) {
+    auto replay = random_experts(g, b.N, b.E, 3);
+    replay[6] = 1;
+    replay[7] = bad == 1 ? 1 : bad;
+    if (bad == 1 && replay[8] == 1) replay[8] = replay[6] == 0 ? 2 : 0;
+    std::vector<std::int32_t> idx(b.N * 3, -7);
+    std::vector<float> gates(b.N * 3, -7.0f);
+    std::vector<double> values(1, -7.0);
+    std::vector<unsigned char> ws(mr::penalty::training_workspace_bytes(r, b.N, b.E, 0));
+    auto in = b.inputs();
+    in.replay_indices = replay.data();
+    mr::route_outputs o{idx.data(), gates.data()};
+    o.penalty_values = values.data();
+    o.workspace = ws.data();
+    o.workspace_bytes = ws.size();
+    CHECK_THROWS_WITH_AS(mr::cpu::route(r, in, o), doctest::Contains(message), mr::error);
+    CHECK(std::all_of(idx.begin(), idx.end(), [](std::int32_t x) { return x == -7; }));
+    CHECK(values[0] == -7.0);
+    // a masked token's row is not read
+    std::vector<std::uint8_t> mask(b.N, 1);
+    mask[2] = 0;
+    in.token_mask = mask.data();
+    CHECK_NOTHROW(mr::cpu::route(r, in, o));
+    CHECK(idx[6] == -1);
+  }
 }

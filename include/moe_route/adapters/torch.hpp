@@ -50,6 +50,7 @@ struct route_tensors {
   std::optional<at::Tensor> load_fractions;                  // [E] float32 (global-batch load balance)
   std::optional<at::Tensor> expert_rank;                     // [E] int32 (locality, rank counts)
   std::optional<at::Tensor> token_mask;                      // [N] bool: false = padding (routed nowhere)
+  std::optional<at::Tensor> replay_indices;                  // [N, K] int32: route() to these experts
   std::int32_t num_sequences = 0;
   std::int32_t rank = 0;
   bool training = true;
@@ -239,10 +240,13 @@ inline selection_result select_experts(const runtime::router_config& c, const at
 inline route_result route(const runtime::router_config& c, const runtime::admission_config& a, const route_tensors& t,
                           const admission_tensors& admission, int threads) {
   return detail::translating_errors([&] {
-    const detail::checked_route call(t);
+    detail::checked_route call(t);
     const detail::placement& where = call.where;
     const std::int64_t n = call.in.num_tokens;
     detail::check_top_k(c, call.in.num_experts);
+    const auto replay = detail::checked(t.replay_indices, "replay_indices", at::kInt, {n, c.top_k}, where);
+    if (replay && where.cuda()) detail::value_error("replay_indices: the CUDA backend does not replay routing yet");
+    call.in.replay_indices = detail::data_of<std::int32_t>(replay);
     route_result r;
     r.indices = at::empty({n, c.top_k}, where.options(at::kInt));
     r.gates = at::empty({n, c.top_k}, where.options(at::kFloat));

@@ -163,6 +163,24 @@ void validate_training_values(const Router& r, const route_inputs<T>& in) {
   }
 }
 
+// The replayed experts, on the host (the CPU backend): K distinct experts in
+// [0, E) for every valid token.
+template <class T>
+void validate_replay_data(const route_inputs<T>& in, int k) {
+  for (std::int64_t t = 0; t < in.num_tokens; ++t) {
+    if (token_masked(in.token_mask, t)) continue;
+    const std::int32_t* row = in.replay_indices + t * k;
+    for (int j = 0; j < k; ++j) {
+      if (row[j] < 0 || row[j] >= in.num_experts)
+        fail("replay_indices[" + std::to_string(t * k + j) + "] (= " + std::to_string(row[j]) +
+             ") is not an expert in [0, num_experts = " + std::to_string(in.num_experts) + ")");
+      for (int i = 0; i < j; ++i)
+        if (row[i] == row[j])
+          fail("replay_indices: token " + std::to_string(t) + " replays expert " + std::to_string(row[j]) + " twice");
+    }
+  }
+}
+
 template <class Router, class T>
 void validate_route(const Router& r, const route_inputs<T>& in, const route_outputs& out) {
   validate_inputs(r, in);

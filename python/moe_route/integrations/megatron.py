@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from ..balance import GlobalLoadBalance
 from ..config import Admission, RouterConfig
@@ -22,6 +23,17 @@ from ..functional import route
 # The names Megatron logs each load-balancing scope under.
 _LOSS_NAMES = {"batch": "load_balancing_loss", "sequence": "seq_load_balancing_loss",
                "global_batch": "global_load_balancing_loss"}
+
+
+def _top_k_fractions(z, k, token_mask):
+    """f [E]: the share of the valid tokens' top-k selections of z that each expert holds."""
+    chosen = torch.topk(z.float(), k, dim=1).indices
+    weight = torch.ones_like(chosen, dtype=torch.float32)
+    if token_mask is not None:
+        weight = weight * token_mask.to(torch.float32).unsqueeze(1)
+    counts = torch.zeros(z.shape[1], dtype=torch.float32, device=z.device).index_add_(
+        0, chosen.reshape(-1), weight.reshape(-1))
+    return counts / torch.clamp(weight.sum(), min=1.0)
 
 
 class MoERouteTopKRouter(TopKRouter):
@@ -60,8 +72,27 @@ class MoERouteTopKRouter(TopKRouter):
         elif self.global_load_balance is not None:
             extra = dict(load_fractions=self.global_load_balance.load_fractions(z.detach(), token_mask) if recorded
                          else torch.zeros(z.shape[1], device=z.device))
+        action = self.router_replay.router_replay_action if self.router_replay is not None else None
+        replay = None
+        if action == RouterReplayAction.REPLAY_FORWARD:
+            replay = self.router_replay.target_topk_idx
+        elif action == RouterReplayAction.REPLAY_BACKWARD:
+            replay = self.router_replay.replay_backward_list.pop(0)
+        if replay is not None:
+            replay = replay.to(device=z.device, dtype=torch.int32)
+            if cfg.load_balance and cfg.load_balance_scope == "batch":
+                # Megatron's aux loss counts the router's own top-k, not the replayed experts:
+                # its batch loss is the global-batch form with those counts as the fractions.
+                cfg = dataclasses.replace(cfg, load_balance_scope="global_batch")
+                extra = dict(load_fractions=_top_k_fractions(z.detach(), cfg.top_k, token_mask))
+            elif cfg.load_balance and cfg.load_balance_scope == "sequence":
+                raise ValueError("moe_route: routing replay with seq_aux_loss is not reproduced (Megatron counts "
+                                 "the router's own top-k per sequence)")
         res = route(z, cfg, training=recorded, expert_bias=self.expert_bias, token_mask=token_mask,
-                    admission=None if self.admission.is_dropless else self.admission, **extra)
+                    replay_indices=replay, admission=None if self.admission.is_dropless else self.admission,
+                    **extra)
+        if action == RouterReplayAction.RECORD:  # the experts chosen, before any token dropping, as Megatron
+            self.router_replay.record_indices(res.routed_indices.long())
         kept = res.indices >= 0
         slots = res.indices.clamp(min=0).long()
         probs = torch.zeros_like(z, dtype=res.gates.dtype).scatter_add(1, slots, res.gates * kept)

@@ -28,6 +28,7 @@ route_report route(const Router& r, const route_inputs<T>& in, const route_outpu
   static_assert(is_router<Router>, "cpu::route: the first argument must be a moe_route::router");
   moe_route::detail::validate_route(r, in, out);
   moe_route::detail::validate_training_values(r, in);
+  if (in.replay_indices != nullptr) moe_route::detail::validate_replay_data(in, r.top_k);
   const int num_experts = in.num_experts;
   const int k = r.top_k;
   const std::size_t workers = detail::workers_of(ex);

@@ -257,10 +257,30 @@ bool gates_at(const Router& r, const T* z, int num_experts, const std::int32_t* 
   return row.nonfinite;
 }
 
+// One token of a replayed forward: the caller's experts, gated as the router
+// gates its own choice (from z' under log_prior_bias with bias_gates).
+template <class Router, class T>
+bool replay_token(const Router& r, const route_inputs<T>& in, std::int64_t t, row_scratch& scratch,
+                  std::int32_t* indices, float* gates) {
+  const int num_experts = in.num_experts;
+  const T* z = in.logits + t * num_experts;
+  std::copy_n(in.replay_indices + t * r.top_k, r.top_k, indices);
+  if constexpr (Router::template has<prior::log_prior_bias>) {
+    if (prior_active(r, in, t) && get<prior::log_prior_bias>(r).bias_gates) {
+      const float* b = in.prior_bias + std::int64_t{in.token_prior_row[t]} * num_experts;
+      const bool nonfinite = biased_row(z, b, get<prior::log_prior_bias>(r).beta, num_experts, scratch.biased);
+      gates_at(r, scratch.biased, num_experts, indices, scratch, gates);
+      return nonfinite;
+    }
+  }
+  return gates_at(r, z, num_experts, indices, scratch, gates);
+}
+
 // One token of the forward, with the router's prior policy where it acts.
 template <class Router, class T>
 bool route_token(const Router& r, const route_inputs<T>& in, std::int64_t t, row_scratch& scratch,
                  std::int32_t* indices, float* gates) {
+  if (in.replay_indices != nullptr) return replay_token(r, in, t, scratch, indices, gates);
   const int num_experts = in.num_experts;
   const T* z = in.logits + t * num_experts;
   if constexpr (Router::has_prior) {
