@@ -245,7 +245,6 @@ inline route_result route(const runtime::router_config& c, const runtime::admiss
     const std::int64_t n = call.in.num_tokens;
     detail::check_top_k(c, call.in.num_experts);
     const auto replay = detail::checked(t.replay_indices, "replay_indices", at::kInt, {n, c.top_k}, where);
-    if (replay && where.cuda()) detail::value_error("replay_indices: the CUDA backend does not replay routing yet");
     call.in.replay_indices = detail::data_of<std::int32_t>(replay);
     route_result r;
     r.indices = at::empty({n, c.top_k}, where.options(at::kInt));

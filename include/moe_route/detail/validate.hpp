@@ -163,6 +163,11 @@ void validate_training_values(const Router& r, const route_inputs<T>& in) {
   }
 }
 
+// An input the CUDA backend does not take yet: refused there, not ignored.
+inline void refuse_on_device(const void* input, const char* name) {
+  if (input != nullptr) fail(std::string(name) + " is not supported by the CUDA backend yet");
+}
+
 // The replayed experts, on the host (the CPU backend): K distinct experts in
 // [0, E) for every valid token.
 template <class T>

@@ -62,6 +62,7 @@ template <class Router, class Policy, class T>
 void admit(const Router& r, const Policy& p, const admission_inputs<T>& in, const admission_outputs& out,
            void* workspace, std::size_t workspace_bytes, cudaStream_t stream = 0) {
   admission::detail::validate_admission(r, p, in, out);
+  moe_route::detail::refuse_on_device(in.token_mask, "token_mask");
   const std::size_t needed = admit_workspace_bytes(r, p, in.num_tokens, in.num_experts, in.num_groups);
   admission_detail::launch_admit(detail::device_executor{stream}, r, p, detail::storage_inputs(in), out, workspace,
                                  workspace_bytes, needed);

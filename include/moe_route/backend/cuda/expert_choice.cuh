@@ -46,6 +46,7 @@ void expert_choice(const selection::expert_choice& p, const expert_choice_inputs
                    const expert_choice_outputs& out, void* workspace, std::size_t workspace_bytes,
                    cudaStream_t stream = 0) {
   admission::detail::validate_expert_choice(p, in, out);
+  moe_route::detail::refuse_on_device(in.token_mask, "token_mask");
   admission_detail::launch_expert_choice(detail::device_executor{stream}, p, detail::storage_inputs(in), out, workspace,
                                          workspace_bytes);
 }
@@ -56,6 +57,7 @@ template <class T>
 void expert_choice_backward(const expert_choice_inputs<T>& in, const std::int32_t* indices, const float* grad_gates,
                             float* grad_logits, cudaStream_t stream = 0) {
   admission::detail::validate_expert_choice_backward(in, indices, grad_gates, grad_logits);
+  moe_route::detail::refuse_on_device(in.token_mask, "token_mask");
   admission_detail::launch_expert_choice_backward(detail::device_executor{stream}, detail::storage_inputs(in), indices,
                                                   grad_gates, grad_logits);
 }

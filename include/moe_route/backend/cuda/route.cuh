@@ -44,6 +44,8 @@ template <class Router, class T>
 void route(const Router& r, const route_inputs<T>& in, const route_outputs& out, cudaStream_t stream = 0) {
   static_assert(is_router<Router>, "cuda::route: the first argument must be a moe_route::router");
   moe_route::detail::validate_route(r, in, out);
+  moe_route::detail::refuse_on_device(in.token_mask, "token_mask");
+  moe_route::detail::refuse_on_device(in.replay_indices, "replay_indices");
   if constexpr (Router::has_penalties) {
     if (in.num_tokens == 0 || in.mode != mode::train) {
       detail::check_launch(cudaMemsetAsync(out.penalty_values, 0, sizeof(double) * Router::num_penalties, stream),
@@ -72,6 +74,7 @@ template <class Router, class T>
 void backward(const Router& r, const route_inputs<T>& in, const backward_args& args, cudaStream_t stream = 0) {
   static_assert(is_router<Router>, "cuda::backward: the first argument must be a moe_route::router");
   moe_route::detail::validate_backward(r, in, args);
+  moe_route::detail::refuse_on_device(in.token_mask, "token_mask");
   if (in.num_tokens == 0) return;
   using S = detail::storage_t<T>;
   // Admitted gates, and training calls of routers with a prior or penalties,
