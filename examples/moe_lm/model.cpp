@@ -257,7 +257,8 @@ class route_function : public torch::autograd::Function<route_function> {
         a.num_groups = st->call.num_groups;
       }
       const ad::admit_result r =
-          ad::admit(st->call.router, st->call.admission, st->logits, st->routed, routed_gates, a, st->call.threads);
+          ad::admit(st->call.router, st->call.admission, st->logits, st->routed, routed_gates, std::nullopt, a,
+                    st->call.threads);
       st->executed = r.indices;
       routed_gates = r.gates;
     } else {
