@@ -11,6 +11,8 @@
 // not read on the host: slots with a routed index outside [0, E), a group id
 // outside [0, num_groups) or (cosine) a norm that is not finite and > 0 are
 // dropped and counted in report->invalid (the CPU backend throws instead).
+// Padding tokens (in.token_mask) are read nowhere: their slots are dropped,
+// counted in no report field, and they are not in N_g.
 // out.report, if set, is a device pointer and is overwritten.
 //
 // Pipeline (every order from stable radix sorts of exact keys):

@@ -37,7 +37,8 @@ namespace moe_route::cuda {
 
 // Forward: out.indices[N x K] (descending key order, ties to the lower expert)
 // and out.gates[N x K]; if out.nonfinite_rows is set, the number of rows with a
-// NaN or +-inf logit is added to that device counter. Routers with a prior
+// NaN or +-inf logit is added to that device counter. Padding tokens
+// (in.token_mask) get indices -1 and gates 0 and are in no penalty. Routers with a prior
 // policy or penalties run the training kernels in mode::train (training.cuh):
 // out.penalty_values is a device array, out.workspace device memory.
 template <class Router, class T>
@@ -59,7 +60,7 @@ void route(const Router& r, const route_inputs<T>& in, const route_outputs& out,
     }
   }
   detail::route_params<S> p{detail::storage_pointer(in.logits), in.num_tokens, in.num_experts, in.expert_bias,
-                            out.indices, out.gates, detail::make_group_layout(r, in.num_experts)};
+                            out.indices, out.gates, detail::make_group_layout(r, in.num_experts), in.token_mask};
   detail::launch_route(r, p, out.nonfinite_rows, stream);
 }
 
@@ -67,7 +68,7 @@ void route(const Router& r, const route_inputs<T>& in, const route_outputs& out,
 // [N x K] and the forward's args.indices; with args.admitted_indices, the
 // gradient of admitted gates (admission/gates.hpp), as cpu::backward. Entries
 // of indices outside [0, E) are ignored on the device (agent_backward.cuh);
-// the CPU backend rejects them.
+// the CPU backend rejects them. Padding tokens (in.token_mask) get a zero row.
 template <class Router, class T>
 void backward(const Router& r, const route_inputs<T>& in, const backward_args& args, cudaStream_t stream = 0) {
   static_assert(is_router<Router>, "cuda::backward: the first argument must be a moe_route::router");
@@ -81,7 +82,7 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
     return;
   }
   detail::backward_params<S> p{detail::storage_pointer(in.logits), in.num_tokens, in.num_experts,
-                               args.indices, args.grad_gates, args.grad_logits};
+                               args.indices, args.grad_gates, args.grad_logits, in.token_mask};
   detail::launch_backward(detail::backward_router(r), p, stream);
 }
 

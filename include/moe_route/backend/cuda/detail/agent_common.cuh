@@ -76,6 +76,7 @@ struct route_params {
   std::int32_t* indices;      // [N x K]
   float* gates;               // [N x K]
   group_layout groups;
+  const std::uint8_t* token_mask;  // [N] or null: 0 marks a padding token
 };
 
 template <class T>
@@ -86,7 +87,31 @@ struct backward_params {
   const std::int32_t* indices;  // [N x K]
   const float* grad_gates;      // [N x K]
   float* grad_logits;           // [N x E]
+  const std::uint8_t* token_mask;  // [N] or null: 0 marks a padding token
 };
+
+// Whether `token` is a padding token (docs/policies.md, "Token mask"). Every
+// lane reads the same byte, so branches on it are warp-uniform.
+template <class W>
+MOE_ROUTE_CUDA_DEVICE bool is_padding(const std::uint8_t* token_mask, std::int64_t token) {
+  return token_mask != nullptr && W::load(token_mask + token) == 0;
+}
+
+// The forward outputs of a padding token: routed nowhere.
+template <class W>
+MOE_ROUTE_CUDA_DEVICE void write_padding(std::int32_t* indices, float* gates, std::int64_t token, int k) {
+  const int lane = W::lane();
+  if (lane < k) {
+    indices[token * k + lane] = -1;
+    gates[token * k + lane] = 0.0f;
+  }
+}
+
+// The gradient row of a padding token: +0 for every expert.
+template <class W>
+MOE_ROUTE_CUDA_DEVICE void zero_row(float* dz, int num_experts) {
+  for (int e = W::lane(); e < num_experts; e += warp_threads) dz[e] = 0.0f;
+}
 
 // The gating score of an expert from its sanitised logit (row_state::score):
 // the row maximum and canonical sum are used by row_softmax only; for

@@ -15,6 +15,8 @@
 //   grouped: keys outside the kept groups are set to 0 (mask_groups);
 //   top-K: K rounds of a warp-wide maximum of the packed keys (descending, ties to the lower index);
 //   gates: detail::gate_weights on the K selected scores.
+// A padding token (token_mask byte 0) reads no logit and is not counted as
+// non-finite: its K slots get index -1 and gate 0.
 #pragma once
 
 #include <cstdint>
@@ -55,6 +57,10 @@ MOE_ROUTE_CUDA_DEVICE std::int64_t route_rows_bucket(const Router& r, const rout
 
   std::int64_t nonfinite_rows = 0;
   for (std::int64_t token = first; token < p.num_tokens; token += stride) {
+    if (is_padding<W>(p.token_mask, token)) {
+      write_padding<W>(p.indices, p.gates, token, k);
+      continue;
+    }
     const T* z = p.logits + token * E;
 
     // Load and sanitise the row; note non-finite logits.
@@ -168,6 +174,10 @@ MOE_ROUTE_CUDA_DEVICE std::int64_t route_rows_general(const Router& r, const rou
 
   std::int64_t nonfinite_rows = 0;
   for (std::int64_t token = first; token < p.num_tokens; token += stride) {
+    if (is_padding<W>(p.token_mask, token)) {
+      write_padding<W>(p.indices, p.gates, token, k);
+      continue;
+    }
     const T* z = p.logits + token * E;
 
     // Pass 1: non-finite logits and the row maximum.

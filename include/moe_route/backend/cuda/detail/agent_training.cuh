@@ -18,6 +18,10 @@
 // Device-side inputs cannot be checked before launch: a token_prior_row
 // outside [-1, S) acts as -1 (no prior), a sequence id outside
 // [0, num_sequences) leaves the token out of the per-sequence sums.
+//
+// A padding token (token_mask byte 0) reads no input: it is routed nowhere
+// (indices -1, gates 0), is in no penalty sum, count or per-token value (its
+// values are 0) and gets a zero gradient row.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +48,7 @@ struct training_params {
   const T* logits;                     // [N x E]
   std::int64_t num_tokens;
   int num_experts;
+  const std::uint8_t* token_mask;      // [N] or null: 0 marks a padding token
   const float* expert_bias;            // [E] or null
   group_layout groups;
   // Prior.
@@ -241,6 +246,15 @@ MOE_ROUTE_CUDA_DEVICE bool route_training_row(const Router& r, const training_pa
   const int lane = W::lane();
   const int E = p.num_experts;
   const int k = r.top_k;
+  if (is_padding<W>(p.token_mask, token)) {
+    write_padding<W>(p.indices, p.gates, token, k);
+    if constexpr (Router::has_penalties) {
+      constexpr int columns = traits::scalar_penalties;
+      if (p.on.any() && lane == 0)  // the value region is not zeroed by the launch
+        for (int c = 0; c < columns; ++c) p.token_values[token * columns + c] = 0.0;
+    }
+    return false;
+  }
   const T* z = p.logits + token * E;
   const float* b;
   float beta;
@@ -471,6 +485,10 @@ MOE_ROUTE_CUDA_DEVICE void backward_training_row(const Router& r, const training
   constexpr bool row_softmax = G::shape == gating::kind::row_softmax;
   const int lane = W::lane();
   const int E = p.num_experts;
+  if (is_padding<W>(p.token_mask, token)) {
+    zero_row<W>(p.grad_logits + token * E, E);
+    return;
+  }
   const T* z = p.logits + token * E;
   const float* b;
   float beta;
@@ -558,6 +576,7 @@ training_params<S> make_training_params(const Router& r, const route_inputs<T>& 
   p.logits = logits;
   p.num_tokens = in.num_tokens;
   p.num_experts = in.num_experts;
+  p.token_mask = in.token_mask;
   p.expert_bias = in.expert_bias;
   p.groups = make_group_layout(r, in.num_experts);
   p.prior_bias = in.prior_bias;
