@@ -128,6 +128,29 @@ def test_route_every_policy_equals_cpu(gating, selection, prior, gen):
 
 
 @pytest.mark.parametrize("gating", GATINGS)
+@pytest.mark.parametrize("selection", ["top_k", "group_limited_bias", "fixed"])
+def test_token_mask_and_replay_equal_cpu(gating, selection, gen):
+    """Padding tokens (their rows NaN) and routing replay, alone and together,
+    through the training kernels (prior and penalties) and the plain kernels."""
+    e, n = 64, 300
+    inputs = training_inputs(n, e, 5, gen)
+    inputs["expert_bias"] = randn(e, scale=0.1, gen=gen)
+    z = logits_with_edge_rows(n, e, gen)
+    mask = torch.rand(n, generator=gen) > 0.3
+    z[~mask] = float("nan")
+    for cfg in (mr.RouterConfig(gating=gating, prior="log_prior_bias", prior_beta=0.7, **SELECTIONS[selection],
+                                **PENALTIES),
+                mr.RouterConfig(gating=gating, **SELECTIONS[selection])):
+        replay = torch.stack([torch.randperm(e, generator=gen)[:cfg.top_k] for _ in range(n)]).int()
+        w = torch.randn(n, cfg.top_k, generator=gen)
+        for extra in (dict(token_mask=mask), dict(replay_indices=replay), dict(token_mask=mask, replay_indices=replay)):
+            assert_same_route(route_both(cfg, z, w, dispatch_align=8, num_ranks=4, **inputs, **extra))
+        assert_same_route(route_both(cfg, z, w, admission=ADMISSIONS["cipher_reroute"], token_mask=mask,
+                                     hidden_norms=torch.rand(n, generator=gen) + 0.5,
+                                     weight_norms=torch.rand(e, generator=gen) + 0.5, **inputs))
+
+
+@pytest.mark.parametrize("gating", GATINGS)
 def test_route_without_inputs_and_in_eval(gating, gen):
     """Neutral inputs (the device scratch path) and the evaluation mode."""
     n, e = 129, 40
@@ -196,13 +219,17 @@ def test_bf16_logits_and_determinism(gen):
 
 
 @pytest.mark.parametrize("groups", [1, 3])
-def test_expert_choice_equals_cpu(groups, gen):
+@pytest.mark.parametrize("masked", [False, True])
+def test_expert_choice_equals_cpu(groups, masked, gen):
     n, e = 300, 16
     z = randn(n, e, gen=gen)
     z[5] = 0.5  # ties
     kw = dict(top_k=2, capacity_factor=1.25, min_capacity=1, dispatch_align=4)
     if groups > 1:
         kw.update(group_ids=torch.randint(0, groups, (n,), generator=gen), num_groups=groups)
+    if masked:
+        kw.update(token_mask=torch.arange(n) % 4 != 1)
+        z[~kw["token_mask"]] = float("inf")
     w = torch.randn(n, e, generator=gen)
     out = []
     for device in ("cpu", DEV):

@@ -150,6 +150,7 @@ struct policies {
   double beta = 0;
   bool lb = false, z = false, kl = false, l2 = false, loc = false;
   pen::load_balance::scope lb_scope = pen::load_balance::scope::batch;
+  bool lb_top_k = false;  // f from each token's K largest unbiased logits
   double lb_c = 0, z_c = 0, kl_c = 0, l2_c = 0, loc_c = 0, loc_eps = 1e-3;
 };
 
@@ -166,6 +167,7 @@ policies policies_of(const Router& r) {
     p.lb = true;
     p.lb_c = mr::get<pen::load_balance>(r).coefficient;
     p.lb_scope = mr::get<pen::load_balance>(r).over;
+    p.lb_top_k = mr::get<pen::load_balance>(r).counts == pen::load_balance::count::top_k;
   }
   if constexpr (Router::template has<pen::z_loss>) p.z = true, p.z_c = mr::get<pen::z_loss>(r).coefficient;
   if constexpr (Router::template has<pen::kl_to_base>) p.kl = true, p.kl_c = mr::get<pen::kl_to_base>(r).coefficient;
@@ -201,6 +203,21 @@ double logsumexp(const std::vector<double>& z) {
   return m + std::log(s);
 }
 
+// Each token's K largest logits of the batch, ties to the lower expert: the
+// experts load_balance::count::top_k counts (constants, like the selection).
+std::vector<std::int32_t> plain_top_k(const batch& b, int K) {
+  std::vector<int> all(b.E);
+  std::iota(all.begin(), all.end(), 0);
+  std::vector<std::int32_t> idx(b.N * K);
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    std::vector<double> key(b.E);
+    for (int e = 0; e < b.E; ++e) key[e] = ref::sanitize(b.z[t * b.E + e]);
+    const std::vector<int> order = ref::rank_by_key(key, all);
+    std::copy_n(order.begin(), K, idx.begin() + t * K);
+  }
+  return idx;
+}
+
 // The penalty values in the router's penalty order (that of the test's
 // router types: load_balance, z_loss, kl_to_base, logit_l2, locality, each if present).
 std::vector<double> penalty_values(const policies& p, ref::gate_kind gk, const batch& b, const std::vector<double>& z,
@@ -219,6 +236,7 @@ std::vector<double> penalty_values(const policies& p, ref::gate_kind gk, const b
   }
   std::vector<double> out;
   if (p.lb) {
+    const std::vector<std::int32_t> counted = p.lb_top_k ? plain_top_k(b, K) : idx;
     double value = 0;
     if (p.lb_scope == pen::load_balance::scope::sequence) {
       int nonempty = 0;
@@ -228,7 +246,7 @@ std::vector<double> penalty_values(const policies& p, ref::gate_kind gk, const b
         for (std::int64_t t = 0; t < b.N; ++t) {
           if (!valid[t] || b.sequence_ids[t] != s) continue;
           ns += 1;
-          for (int j = 0; j < K; ++j) f[idx[t * K + j]] += 1;
+          for (int j = 0; j < K; ++j) f[counted[t * K + j]] += 1;
           for (int e = 0; e < E; ++e) P[e] += dist[t][e];
         }
         if (ns == 0) continue;
@@ -240,7 +258,7 @@ std::vector<double> penalty_values(const policies& p, ref::gate_kind gk, const b
       std::vector<double> f(E, 0), P(E, 0);
       for (std::int64_t t = 0; t < b.N; ++t) {
         if (!valid[t]) continue;
-        for (int j = 0; j < K; ++j) f[idx[t * K + j]] += 1.0 / (static_cast<double>(nv) * K);
+        for (int j = 0; j < K; ++j) f[counted[t * K + j]] += 1.0 / (static_cast<double>(nv) * K);
         for (int e = 0; e < E; ++e) P[e] += dist[t][e] / nv;
       }
       if (p.lb_scope == pen::load_balance::scope::global_batch)
@@ -975,6 +993,49 @@ TEST_CASE("token mask: grouped and expert-bias selections") {
   check_masked_training(mr::with_policies(biased, pen::z_loss{0.2f}), b, mask, g);
 }
 
+TEST_CASE("load_balance counts = top_k: f from the plain top-K under an expert bias, groups and masks") {
+  ref::rng g(33);
+  batch b = make_batch(g, 40, 64, 3);
+  b.expert_bias.resize(64);
+  for (auto& x : b.expert_bias) x = static_cast<float>(g.uniform(-0.5, 0.5));
+  for (const auto over : {pen::load_balance::scope::batch, pen::load_balance::scope::sequence}) {
+    CAPTURE(static_cast<int>(over));
+    pen::load_balance lb{0.4f, over};
+    lb.counts = pen::load_balance::count::top_k;
+    mr::router<mr::gating::sigmoid, mr::selection::expert_bias, 8> biased;
+    biased.top_k = 4;
+    check_training(mr::with_policies(biased, lb, pen::z_loss{0.01f}), b, g, 2);
+    mr::router<mr::gating::softmax, mr::selection::group_limited<>, 8> grouped;
+    grouped.top_k = 6;
+    grouped.selection.groups = 8;
+    grouped.selection.top_groups = 3;
+    check_training(mr::with_policies(grouped, lb), b, g);
+    std::vector<std::uint8_t> mask(b.N);
+    for (std::int64_t t = 0; t < b.N; ++t) mask[t] = t % 4 != 1;
+    check_masked_training(mr::with_policies(biased, lb), b, mask, g);
+  }
+  // Without an expert bias or groups the plain top-K is the selection: the same bits as counts = selected.
+  pen::load_balance lb{0.4f};
+  auto plain_counts = mr::with_policies(base_router<mr::gating::softmax>(3), lb);
+  lb.counts = pen::load_balance::count::top_k;
+  auto top_k_counts = mr::with_policies(base_router<mr::gating::softmax>(3), lb);
+  std::vector<float> c(b.N * 3, 0.5f), u(1, 1.0f);
+  const auto a = run_lib(plain_counts, b, c, u, 1, nullptr);
+  const auto d = run_lib(top_k_counts, b, c, u, 1, nullptr);
+  CHECK(a.values == d.values);
+  CHECK(a.dz == d.dz);
+}
+
+TEST_CASE("load_balance counts = top_k over the global batch is refused by name") {
+  ref::rng g(34);
+  const batch b = make_batch(g, 8, 16, 2);
+  pen::load_balance lb{0.4f, pen::load_balance::scope::global_batch};
+  lb.counts = pen::load_balance::count::top_k;
+  const auto r = mr::with_policies(base_router<mr::gating::softmax>(2), lb);
+  std::vector<float> c(b.N * 2, 0.5f), u(1, 1.0f);
+  CHECK_THROWS_WITH_AS(run_lib(r, b, c, u, 1, nullptr), doctest::Contains("load_balance.counts"), mr::error);
+}
+
 // ---------------------------------------------------------------------------
 // Routing replay (docs/policies.md §2.9).
 
@@ -1010,6 +1071,11 @@ TEST_CASE_TEMPLATE("routing replay: gates, penalties and gradients at the caller
   SUBCASE("load balance over sequences") {
     check_training(mr::with_policies(base, pen::load_balance{0.7f, pen::load_balance::scope::sequence}), b, g, 1,
                    &replay);
+  }
+  SUBCASE("load counts from the plain top-K, not the replayed experts (Megatron's replayed aux loss)") {
+    pen::load_balance lb{0.6f, pen::load_balance::scope::sequence};
+    lb.counts = pen::load_balance::count::top_k;
+    check_training(mr::with_policies(base, lb), b, g, 1, &replay);
   }
   SUBCASE("prior_override: the replay wins") {
     check_training(mr::with_policies(base, pri::prior_override{}), b, g, 1, &replay);

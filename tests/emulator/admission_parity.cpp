@@ -6,8 +6,10 @@
 // counts. Every admission policy over presets whose gatings differ (softmax,
 // renormalised, sigmoid with groups, softmax after top-k), ties, NaN / inf
 // rows, groups (one empty), per-expert capacities, E not a multiple of 32,
-// E = 1, K = E, N = 0, bf16 logits; and the device-only handling of invalid
-// input (dropped and counted), checked against expectations written here.
+// E = 1, K = E, N = 0, bf16 logits; token masks (padding rows of garbage,
+// none, some or every token padding; a masked call equals the call on the
+// batch with the padding rows removed); and the device-only handling of
+// invalid input (dropped and counted), checked against expectations written here.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -63,11 +65,13 @@ void check_dispatch(const mr::dispatch_inputs& in) {
 }
 
 template <class Router, class Policy>
-void check_admit(const Router& r, const Policy& p, const batch& b, const char* what) {
+void check_admit(const Router& r, const Policy& p, const batch& b, const char* what,
+                 const std::vector<std::uint8_t>& mask = {}) {
   CAPTURE(what);
   const emu::executor ex;
   const std::int64_t slots = b.N * b.K;
-  const mr::admission_inputs<float> in = admission_inputs_of(b, b.z.data());
+  mr::admission_inputs<float> in = admission_inputs_of(b, b.z.data());
+  in.token_mask = mask.empty() ? nullptr : mask.data();
   std::vector<std::int32_t> cidx(slots);
   std::vector<float> cgates(slots);
   std::vector<std::int8_t> cstatus(slots);
@@ -98,6 +102,111 @@ void check_admit(const Router& r, const Policy& p, const batch& b, const char* w
 template <class Router>
 void all_policies(const Router& r, const batch& b) {
   admission_cases::for_each_policy([&](const auto& p, const char* what) { check_admit(r, p, b, what); });
+}
+
+// Which tokens of a batch are padding: some (every third and every fifth from
+// 4), every one, or none. Valid tokens get different nonzero bytes.
+enum class padding { some, all, none };
+
+std::vector<std::uint8_t> make_mask(std::int64_t N, padding kind) {
+  std::vector<std::uint8_t> mask(N);
+  for (std::int64_t t = 0; t < N; ++t) {
+    const bool pad = kind == padding::all || (kind == padding::some && (t % 3 == 1 || t % 5 == 4));
+    mask[t] = pad ? 0 : static_cast<std::uint8_t>(1 + (t * 37) % 255);
+  }
+  return mask;
+}
+
+// b with its padding rows holding what no call may read: NaN logits, routed
+// indices and group ids out of range, NaN gates, zero norms.
+batch with_garbage(batch b, const std::vector<std::uint8_t>& mask) {
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    if (mask[t] != 0) continue;
+    std::fill(b.z.begin() + t * b.E, b.z.begin() + (t + 1) * b.E, std::numeric_limits<float>::quiet_NaN());
+    for (int j = 0; j < b.K; ++j) {
+      b.routed[t * b.K + j] = j % 2 ? b.E + 3 : -2;
+      b.gates[t * b.K + j] = std::numeric_limits<float>::quiet_NaN();
+    }
+    if (!b.groups.empty()) b.groups[t] = b.G + 5;
+    b.xn[t] = 0.0f;
+  }
+  return b;
+}
+
+// The valid rows of b alone.
+batch valid_rows(const batch& b, const std::vector<std::uint8_t>& mask) {
+  batch v = b;
+  v.N = 0;
+  v.z.clear(), v.routed.clear(), v.gates.clear(), v.xn.clear(), v.groups.clear();
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    if (mask[t] == 0) continue;
+    ++v.N;
+    v.z.insert(v.z.end(), b.z.begin() + t * b.E, b.z.begin() + (t + 1) * b.E);
+    v.routed.insert(v.routed.end(), b.routed.begin() + t * b.K, b.routed.begin() + (t + 1) * b.K);
+    v.gates.insert(v.gates.end(), b.gates.begin() + t * b.K, b.gates.begin() + (t + 1) * b.K);
+    v.xn.push_back(b.xn[t]);
+    if (!b.groups.empty()) v.groups.push_back(b.groups[t]);
+  }
+  return v;
+}
+
+// Admission with a token mask: the emulated sequence against cpu::admit (and
+// its dispatch), padding slots -1 / 0 / dropped and in no report field, and
+// the valid rows equal to admitting the batch without its padding rows.
+template <class Router, class Policy>
+void check_masked_admit(const Router& r, const Policy& p, const batch& clean, padding kind, const char* what) {
+  CAPTURE(static_cast<int>(kind));
+  const std::vector<std::uint8_t> mask = make_mask(clean.N, kind);
+  const batch b = with_garbage(clean, mask);
+  check_admit(r, p, b, what, mask);
+
+  const emu::executor ex;
+  const std::int64_t slots = b.N * b.K;
+  mr::admission_inputs<float> in = admission_inputs_of(b, b.z.data());
+  in.token_mask = mask.data();
+  std::vector<std::int32_t> idx(slots);
+  std::vector<float> gates(slots);
+  std::vector<std::int8_t> status(slots);
+  mr::admission_report rep;
+  const std::size_t bytes = cad::admit_bytes<emu::executor, Policy>(ex, b.N, b.K, b.E, b.G);
+  std::vector<unsigned char> ws(bytes);
+  cad::launch_admit(ex, r, p, in, mr::admission_outputs{idx.data(), gates.data(), status.data(), &rep}, ws.data(),
+                    bytes, bytes);
+
+  const batch v = valid_rows(clean, mask);
+  const std::int64_t vslots = v.N * v.K;
+  std::vector<std::int32_t> vidx(vslots);
+  std::vector<float> vgates(vslots);
+  std::vector<std::int8_t> vstatus(vslots);
+  mr::admission_report vrep;
+  mr::cpu::admit(r, p, admission_inputs_of(v, v.z.data()),
+                 mr::admission_outputs{vidx.data(), vgates.data(), vstatus.data(), &vrep});
+  CHECK(same_report(rep, vrep));
+  std::int64_t row = 0;
+  for (std::int64_t t = 0; t < b.N; ++t) {
+    CAPTURE(t);
+    for (int j = 0; j < b.K; ++j) {
+      const std::int64_t s = t * b.K + j;
+      if (mask[t] == 0) {
+        CHECK(idx[s] == -1);
+        CHECK(emu::fbits(gates[s]) == 0u);
+        CHECK(status[s] == static_cast<std::int8_t>(ad::slot_status::dropped));
+      } else {
+        const std::int64_t o = row * b.K + j;
+        CHECK(idx[s] == vidx[o]);
+        CHECK(emu::fbits(gates[s]) == emu::fbits(vgates[o]));
+        CHECK(status[s] == vstatus[o]);
+      }
+    }
+    row += mask[t] != 0;
+  }
+}
+
+template <class Router>
+void all_policies_masked(const Router& r, const batch& b) {
+  for (padding kind : {padding::some, padding::all, padding::none})
+    admission_cases::for_each_policy(
+        [&](const auto& p, const char* what) { check_masked_admit(r, p, b, kind, what); });
 }
 
 }  // namespace
@@ -132,6 +241,29 @@ TEST_CASE("emulated CUDA admission: every policy, bit-identical to cpu::admit, a
   {  // N = 0: the report is zeroed, nothing else written.
     auto r = mr::presets::qwen3();
     all_policies(r, make_batch(r, 12, 0, 128, 0, 1, false));
+  }
+}
+
+TEST_CASE("emulated CUDA admission with a token mask == cpu::admit == admission of the valid rows alone") {
+  {
+    auto r = mr::presets::qwen3();
+    all_policies_masked(r, make_batch(r, 31, 96, 128, 0, 1, false));
+    all_policies_masked(r, make_batch(r, 32, 80, 128, 2, 4, false));  // ties, groups (one empty)
+    all_policies_masked(r, make_batch(r, 33, 70, 128, 0, 3, true));   // per-expert capacities
+  }
+  {
+    auto r = mr::presets::deepseek_v3();  // sigmoid, group-limited
+    all_policies_masked(r, make_batch(r, 35, 64, 256, 1, 2, false));
+  }
+  {  // E not a multiple of 32, K = 8.
+    mr::router<mr::gating::sigmoid, mr::selection::top_k, 8> r;
+    r.top_k = 8;
+    all_policies_masked(r, make_batch(r, 39, 40, 100, 0, 1, false));
+  }
+  {  // K = E.
+    mr::router<mr::gating::softmax, mr::selection::top_k, 8> r;
+    r.top_k = 6;
+    all_policies_masked(r, make_batch(r, 41, 30, 6, 0, 2, false));
   }
 }
 
@@ -240,6 +372,85 @@ TEST_CASE("emulated CUDA expert_choice == cpu::expert_choice, its backward and i
     CHECK(same_bits(edz, cdz));
 
     check_dispatch(mr::dispatch_inputs{cidx.data(), b.N, b.E, b.E, 16, 1, nullptr});
+  }
+}
+
+TEST_CASE("emulated CUDA expert_choice with a token mask == cpu::expert_choice == the valid rows alone") {
+  const emu::executor ex;
+  const expert_choice_shape shapes[] = {
+      {100, 64, 0, 1, false, 1.0},
+      {90, 128, 2, 3, false, 1.5},
+      {70, 32, 1, 2, true, 1.0},
+      {33, 100, 0, 1, false, 0.0},
+  };
+  for (const expert_choice_shape& shape : shapes) {
+    for (padding kind : {padding::some, padding::all, padding::none}) {
+      CAPTURE(shape.E);
+      CAPTURE(static_cast<int>(kind));
+      const expert_choice_case c = make_expert_choice_case(shape);
+      const std::vector<std::uint8_t> mask = make_mask(c.b.N, kind);
+      const batch b = with_garbage(c.b, mask);
+      mr::expert_choice_inputs<float> in = admission_cases::expert_choice_inputs_of(b);
+      in.token_mask = mask.data();
+      const std::int64_t pairs = b.N * b.E;
+      std::vector<std::int32_t> cidx(pairs), cper(b.N), eidx(pairs, 9), eper(b.N, 9);
+      std::vector<float> cgates(pairs), egates(pairs, 9.0f);
+      mr::expert_choice_report crep, erep;
+      mr::cpu::expert_choice(c.policy, in,
+                             mr::expert_choice_outputs{cidx.data(), cgates.data(), cper.data(), &crep});
+      const std::size_t bytes = cad::make_ec_layout(ex, nullptr, b.N, b.E, b.G).bytes;
+      std::vector<unsigned char> ws(bytes);
+      cad::launch_expert_choice(ex, c.policy, in,
+                                mr::expert_choice_outputs{eidx.data(), egates.data(), eper.data(), &erep}, ws.data(),
+                                bytes);
+      CHECK(eidx == cidx);
+      CHECK(eper == cper);
+      CHECK(same_bits(egates, cgates));
+      CHECK(erep.assignments == crep.assignments);
+      CHECK(erep.tokens_without_experts == crep.tokens_without_experts);
+      CHECK(erep.max_experts_per_token == crep.max_experts_per_token);
+      CHECK(erep.invalid == crep.invalid);
+
+      // The valid rows alone give the same rows and report.
+      const batch v = valid_rows(c.b, mask);
+      const mr::expert_choice_inputs<float> vin = admission_cases::expert_choice_inputs_of(v);
+      std::vector<std::int32_t> vidx(v.N * v.E), vper(v.N);
+      std::vector<float> vgates(v.N * v.E);
+      mr::expert_choice_report vrep;
+      mr::cpu::expert_choice(c.policy, vin,
+                             mr::expert_choice_outputs{vidx.data(), vgates.data(), vper.data(), &vrep});
+      CHECK(erep.assignments == vrep.assignments);
+      CHECK(erep.tokens_without_experts == vrep.tokens_without_experts);
+      CHECK(erep.max_experts_per_token == vrep.max_experts_per_token);
+      CHECK(erep.invalid == 0);
+      std::int64_t row = 0;
+      for (std::int64_t t = 0; t < b.N; ++t) {
+        CAPTURE(t);
+        const bool pad = mask[t] == 0;
+        CHECK(eper[t] == (pad ? 0 : vper[row]));
+        for (int j = 0; j < b.E; ++j) {
+          CHECK(eidx[t * b.E + j] == (pad ? -1 : vidx[row * b.E + j]));
+          CHECK(emu::fbits(egates[t * b.E + j]) == (pad ? 0u : emu::fbits(vgates[row * b.E + j])));
+        }
+        row += !pad;
+      }
+
+      // The backward: padding rows are zero, their indices and gradients unread.
+      std::vector<float> dg(pairs), cdz(pairs), edz(pairs, 9.0f);
+      for (std::int64_t i = 0; i < pairs; ++i)
+        dg[i] = mask[i / b.E] == 0 ? std::numeric_limits<float>::quiet_NaN()
+                                   : static_cast<float>(static_cast<int>(i % 9) - 4) / 8.0f;
+      std::vector<std::int32_t> bidx = cidx;
+      for (std::int64_t i = 0; i < pairs; ++i)
+        if (mask[i / b.E] == 0) bidx[i] = b.E + 7;
+      mr::cpu::expert_choice_backward(in, bidx.data(), dg.data(), cdz.data());
+      cad::launch_expert_choice_backward(ex, in, bidx.data(), dg.data(), edz.data());
+      CHECK(same_bits(edz, cdz));
+      for (std::int64_t i = 0; i < pairs; ++i)
+        if (mask[i / b.E] == 0) REQUIRE(emu::fbits(edz[i]) == 0u);
+
+      check_dispatch(mr::dispatch_inputs{eidx.data(), b.N, b.E, b.E, 16, 1, nullptr});
+    }
   }
 }
 

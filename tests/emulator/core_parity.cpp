@@ -2,7 +2,8 @@
 // agent_backward.cuh) under the host warp emulator, against the CPU backend,
 // bit for bit: every gating, selection and preset over E from 8 to 4096,
 // register buckets and the general path, float/bf16/fp16 logits with NaN, inf,
-// ties and signed zeros; duplicate and invalid indices in the backward.
+// ties and signed zeros; duplicate and invalid indices in the backward; token
+// masks (padding rows of garbage; none, some or every token masked).
 #include <doctest/doctest.h>
 
 #include "warp_emulator.hpp"
@@ -12,10 +13,13 @@
 #include <moe_route/moe_route.hpp>
 #include <cstdio>
 #include <random>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
+#include <type_traits>
 
 namespace mr = moe_route;
 namespace cd = moe_route::cuda::detail;
@@ -125,7 +129,7 @@ void check(const Router& r, int E, std::mt19937& g, const char* what) {
   std::vector<float> cg(N * K), eg(N * K, -7.f), gg(N * K, -7.f);
   std::int64_t cnf = 0;
   mr::cpu::route(r, in, mr::route_outputs{ci.data(), cg.data(), &cnf});
-  cd::route_params<T> p{z.data(), N, E, bp, ei.data(), eg.data(), cd::make_group_layout(r, E)};
+  cd::route_params<T> p{z.data(), N, E, bp, ei.data(), eg.data(), cd::make_group_layout(r, E), nullptr, nullptr};
   // general path (every E)
   std::int64_t gnf = emu_general(r, p);
   ++g_checks;
@@ -152,7 +156,7 @@ void check(const Router& r, int E, std::mt19937& g, const char* what) {
   for (std::size_t i = 0; i < dw.size(); ++i) dw[i] = (i % 7 == 3) ? 0.0f : nd(g);
   std::vector<float> cdz(N * E), edz(N * E, -9.f);
   mr::cpu::backward(r, in, mr::backward_args{ci.data(), dw.data(), cdz.data()});
-  cd::backward_params<T> bp2{z.data(), N, E, ci.data(), dw.data(), edz.data()};
+  cd::backward_params<T> bp2{z.data(), N, E, ci.data(), dw.data(), edz.data(), nullptr};
   for (int general = 0; general < 2; ++general) {
     if (general == 0 && !(Router::gating_type::shape == gat::kind::row_softmax && E <= 512)) continue;
     std::fill(edz.begin(), edz.end(), -9.f);
@@ -170,7 +174,7 @@ void check(const Router& r, int E, std::mt19937& g, const char* what) {
     for (std::int64_t t = 0; t < N; ++t) dup[t * K + K - 1] = dup[t * K];
     std::vector<float> c2(N * E);
     mr::cpu::backward(r, in, mr::backward_args{dup.data(), dw.data(), c2.data()});
-    cd::backward_params<T> b3{z.data(), N, E, dup.data(), dw.data(), edz.data()};
+    cd::backward_params<T> b3{z.data(), N, E, dup.data(), dw.data(), edz.data(), nullptr};
     emu_bwd(r, b3, false);
     ++g_checks;
     if (!same(c2, edz)) { ++g_fail; std::printf("FAIL dup bwd %s E=%d K=%d\n", what, E, K); }
@@ -255,12 +259,254 @@ void invalid_index_check() {
   for (std::int64_t t = 0; t < N; ++t) cg[t * K + 1] = 0.0f;
   std::vector<float> cdz(N * E), edz(N * E, -9.f);
   mr::cpu::backward(r, mr::route_inputs<float>{z.data(), N, E}, mr::backward_args{idx.data(), cg.data(), cdz.data()});
-  cd::backward_params<float> p{z.data(), N, E, bad.data(), grad.data(), edz.data()};
+  cd::backward_params<float> p{z.data(), N, E, bad.data(), grad.data(), edz.data(), nullptr};
   for (int general = 0; general < 2; ++general) {
     std::fill(edz.begin(), edz.end(), -9.f);
     emu_bwd(r, p, general);
     ++g_checks;
     if (!same(cdz, edz)) { ++g_fail; std::printf("FAIL invalid-index equivalence general=%d\n", general); }
+  }
+}
+
+// Which tokens a mask case pads: some (every third and every fifth from 4),
+// every one, or none. Valid tokens get different nonzero bytes.
+enum class padding { some, all, none };
+
+std::vector<std::uint8_t> make_mask(std::int64_t N, padding kind) {
+  std::vector<std::uint8_t> mask(N);
+  for (std::int64_t t = 0; t < N; ++t) {
+    const bool pad = kind == padding::all || (kind == padding::some && (t % 3 == 1 || t % 5 == 4));
+    mask[t] = pad ? 0 : static_cast<std::uint8_t>(1 + (t * 37) % 255);
+  }
+  return mask;
+}
+
+// Route and backward with a token mask, emulated against the CPU backend.
+// Padding rows hold NaN, inf and huge logits, out-of-range indices and NaN
+// upstream gradients: none of it may be read.
+template <class Router, class T = float>
+void check_masked(const Router& r, int E, std::mt19937& g, padding kind, const char* what) {
+  CAPTURE(what);
+  CAPTURE(E);
+  CAPTURE(static_cast<int>(kind));
+  const std::int64_t N = 24;
+  const int K = r.top_k;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  auto z = gen_logits<T>(g, N, E);
+  const std::vector<std::uint8_t> mask = make_mask(N, kind);
+  for (std::int64_t t = 0; t < N; ++t)
+    if (mask[t] == 0)
+      for (int e = 0; e < E; ++e)
+        z[t * E + e] = make<T>(e % 3 == 0 ? nan : e % 3 == 1 ? std::numeric_limits<float>::infinity() : 1.0e30f);
+  std::vector<float> bias(E);
+  for (int e = 0; e < E; ++e) bias[e] = static_cast<float>((e * 5) % 17 - 8) / 64.0f;
+  const float* bp = Router::selection_type::needs_expert_bias ? bias.data() : nullptr;
+  mr::route_inputs<T> in{z.data(), N, E, bp};
+  in.token_mask = mask.data();
+
+  std::vector<std::int32_t> ci(N * K);
+  std::vector<float> cg(N * K);
+  std::int64_t cnf = 0;
+  mr::cpu::route(r, in, mr::route_outputs{ci.data(), cg.data(), &cnf});
+  for (std::int64_t s = 0; s < N * K; ++s) {
+    if (mask[s / K] != 0) continue;
+    CHECK(ci[s] == -1);
+    CHECK(emu::fbits(cg[s]) == 0u);
+  }
+  if (kind == padding::none) {  // a mask of valid tokens routes as no mask
+    std::vector<std::int32_t> ui(N * K);
+    std::vector<float> ug(N * K);
+    std::int64_t unf = 0;
+    mr::cpu::route(r, mr::route_inputs<T>{z.data(), N, E, bp}, mr::route_outputs{ui.data(), ug.data(), &unf});
+    CHECK(same(ui, ci));
+    CHECK(same(ug, cg));
+    CHECK(unf == cnf);
+  }
+  for (int general = 0; general < 2; ++general) {
+    if (general == 0 && E > 512) continue;
+    std::vector<std::int32_t> ei(N * K, -7);
+    std::vector<float> eg(N * K, -7.0f);
+    const cd::route_params<T> p{z.data(), N, E, bp, ei.data(), eg.data(), cd::make_group_layout(r, E),
+                                mask.data(), nullptr};
+    const std::int64_t enf = general ? emu_general(r, p) : emu_dispatch_bucket(r, p);
+    CAPTURE(general);
+    CHECK(same(ei, ci));
+    CHECK(same(eg, cg));
+    CHECK(enf == cnf);
+  }
+
+  std::vector<std::int32_t> idx = ci;
+  std::vector<float> dw(N * K);
+  for (std::int64_t s = 0; s < N * K; ++s) {
+    const bool pad = mask[s / K] == 0;
+    if (pad) idx[s] = s % 2 ? E + 1000 : -5;
+    dw[s] = pad ? nan : static_cast<float>(static_cast<int>(s % 11) - 5) / 4.0f;
+  }
+  std::vector<float> cdz(N * E, -9.0f);
+  mr::cpu::backward(r, in, mr::backward_args{idx.data(), dw.data(), cdz.data()});
+  for (std::int64_t i = 0; i < N * E; ++i)
+    if (mask[i / E] == 0) REQUIRE(emu::fbits(cdz[i]) == 0u);
+  const cd::backward_params<T> bp2{z.data(), N, E, idx.data(), dw.data(), nullptr, mask.data()};
+  for (int general = 0; general < 2; ++general) {
+    if (general == 0 && !(Router::gating_type::shape == gat::kind::row_softmax && E <= 512)) continue;
+    std::vector<float> edz(N * E, -9.0f);
+    cd::backward_params<T> q = bp2;
+    q.grad_logits = edz.data();
+    emu_bwd(r, q, general != 0);
+    CAPTURE(general);
+    CHECK(same(edz, cdz));
+  }
+}
+
+template <class Router, class T = float>
+void sweep_masked(Router r, std::initializer_list<int> experts, int typical_k, std::mt19937& g, const char* what) {
+  for (int E : experts) {
+    std::vector<int> ks{1, std::min({typical_k, E, Router::max_k})};
+    if (E <= Router::max_k) ks.push_back(E);  // K = E
+    for (int K : ks) {
+      r.top_k = K;
+      for (padding kind : {padding::some, padding::all, padding::none}) check_masked<Router, T>(r, E, g, kind, what);
+    }
+  }
+}
+
+TEST_CASE("emulated CUDA route and backward agents with a token mask: bit-identical to the CPU backend") {
+  std::mt19937 g(777);
+  const auto all_e = {8, 100, 384, 1000, 4096};  // buckets, E not a multiple of 32, the general path
+  sweep_masked(mr::router<gat::softmax, sel::top_k, 8>{}, all_e, 6, g, "softmax/top_k");
+  sweep_masked(mr::router<gat::sigmoid, sel::expert_bias, 8>{}, {8, 100, 1000}, 6, g, "sigmoid/expert_bias");
+  sweep_masked(mr::router<gat::sqrt_softplus, sel::top_k, 8>{}, {8, 100, 1000}, 6, g, "sqrt_softplus/top_k");
+  sweep_masked(mr::router<gat::softmax_after_topk, sel::top_k, 8>{}, {8, 100, 1000}, 2, g, "softmax_after_topk/top_k");
+  sweep_masked(mr::router<gat::softmax, sel::fixed, 8>{}, {8, 100, 1000}, 6, g, "softmax/fixed");
+  {
+    auto r = mr::presets::deepseek_v3();  // sigmoid, group-limited expert bias: 8 groups, 4 kept
+    for (padding kind : {padding::some, padding::all, padding::none}) check_masked(r, 256, g, kind, "deepseek_v3");
+  }
+  {
+    mr::router<gat::softmax, sel::group_limited<sel::top_k>, 8> r;  // grouped on the general path
+    r.top_k = 6;
+    r.selection.groups = 8;
+    r.selection.top_groups = 3;
+    r.selection.per_group_k = 2;
+    for (padding kind : {padding::some, padding::all, padding::none}) check_masked(r, 1000, g, kind, "gl<top_k>");
+  }
+  for (padding kind : {padding::some, padding::all})
+    check_masked<mr::presets::moonlight_router, mr::bfloat16>(mr::presets::moonlight(), 64, g, kind, "moonlight-bf16");
+  for (padding kind : {padding::some, padding::all})
+    check_masked<mr::presets::qwen3_router, mr::float16>(mr::presets::qwen3(), 128, g, kind, "qwen3-fp16");
+}
+
+// Route under routing replay, emulated against the CPU backend: each token's
+// K distinct experts shuffled from g, over rows with NaN, inf and ties.
+template <class Router, class T = float>
+void check_replay(const Router& r, int E, std::mt19937& g, const char* what) {
+  CAPTURE(what);
+  CAPTURE(E);
+  CAPTURE(r.top_k);
+  const std::int64_t N = 24;
+  const int K = r.top_k;
+  auto z = gen_logits<T>(g, N, E);
+  std::vector<float> bias(E);
+  for (int e = 0; e < E; ++e) bias[e] = static_cast<float>((e * 5) % 17 - 8) / 64.0f;
+  const float* bp = Router::selection_type::needs_expert_bias ? bias.data() : nullptr;
+  std::vector<std::int32_t> replay(N * K), experts(E);
+  for (std::int64_t t = 0; t < N; ++t) {
+    for (int e = 0; e < E; ++e) experts[e] = e;
+    std::shuffle(experts.begin(), experts.end(), g);
+    std::copy_n(experts.begin(), K, replay.begin() + t * K);
+  }
+  mr::route_inputs<T> in{z.data(), N, E, bp};
+  in.replay_indices = replay.data();
+  std::vector<std::int32_t> ci(N * K);
+  std::vector<float> cg(N * K);
+  std::int64_t cnf = 0;
+  mr::cpu::route(r, in, mr::route_outputs{ci.data(), cg.data(), &cnf});
+  REQUIRE(same(ci, replay));
+  for (int general = 0; general < 2; ++general) {
+    if (general == 0 && E > 512) continue;
+    CAPTURE(general);
+    std::vector<std::int32_t> ei(N * K, -7);
+    std::vector<float> eg(N * K, -7.0f);
+    cd::route_params<T> p{z.data(), N, E, bp, ei.data(), eg.data(), cd::make_group_layout(r, E), nullptr,
+                          replay.data()};
+    const std::int64_t enf = general ? emu_general(r, p) : emu_dispatch_bucket(r, p);
+    CHECK(same(ei, ci));
+    CHECK(same(eg, cg));
+    CHECK(enf == cnf);
+  }
+}
+
+template <class Router, class T = float>
+void sweep_replay(Router r, std::initializer_list<int> experts, int typical_k, std::mt19937& g, const char* what) {
+  for (int E : experts) {
+    std::vector<int> ks{1, std::min({typical_k, E, Router::max_k})};
+    if (E <= Router::max_k) ks.push_back(E);  // K = E
+    for (int K : ks) {
+      r.top_k = K;
+      check_replay<Router, T>(r, E, g, what);
+    }
+  }
+}
+
+TEST_CASE("emulated CUDA route agents under routing replay: bit-identical to the CPU backend") {
+  std::mt19937 g(4242);
+  const auto all_e = {8, 100, 384, 1000, 4096};
+  sweep_replay(mr::router<gat::softmax, sel::top_k, 8>{}, all_e, 6, g, "softmax/top_k");
+  {
+    mr::router<gat::softmax, sel::top_k, 8> r;
+    r.normalize = true;
+    sweep_replay(r, {8, 100, 1000}, 6, g, "softmax/top_k normalized");
+  }
+  sweep_replay(mr::router<gat::sigmoid, sel::expert_bias, 8>{}, {8, 100, 1000}, 6, g, "sigmoid/expert_bias");
+  sweep_replay(mr::router<gat::sqrt_softplus, sel::top_k, 8>{}, {8, 100}, 6, g, "sqrt_softplus/top_k");
+  sweep_replay(mr::router<gat::softmax_after_topk, sel::top_k, 8>{}, {8, 100, 1000}, 2, g, "softmax_after_topk/top_k");
+  sweep_replay(mr::router<gat::softmax, sel::fixed, 8>{}, {8, 100}, 6, g, "softmax/fixed");
+  check_replay(mr::presets::deepseek_v3(), 256, g, "deepseek_v3");
+  check_replay<mr::presets::moonlight_router, mr::bfloat16>(mr::presets::moonlight(), 64, g, "moonlight-bf16");
+  check_replay<mr::presets::qwen3_router, mr::float16>(mr::presets::qwen3(), 128, g, "qwen3-fp16");
+}
+
+// Replay entries the device cannot check (outside [0, E)) are written as -1
+// and gated as a -inf logit: the other slots keep the gates of a valid replay.
+TEST_CASE("emulated CUDA route agents: replay entries outside [0, E) route nowhere") {
+  const int E = 40, K = 3;
+  const std::int64_t N = 4;
+  std::mt19937 g(9);
+  const auto z = gen_logits<float>(g, N, E);
+  std::vector<std::int32_t> good(N * K), bad(N * K);
+  for (std::int64_t s = 0; s < N * K; ++s) good[s] = bad[s] = static_cast<std::int32_t>((s * 7) % E);
+  for (std::int64_t t = 0; t < N; ++t) bad[t * K + 1] = t % 2 ? E + 3 : -2;
+  const auto run = [&](const auto& r, const std::vector<std::int32_t>& replay, std::vector<std::int32_t>& idx,
+                       std::vector<float>& gates, bool general) {
+    using R = std::decay_t<decltype(r)>;
+    idx.assign(N * K, -7);
+    gates.assign(N * K, -7.0f);
+    cd::route_params<float> p{z.data(), N, E, nullptr, idx.data(), gates.data(), cd::make_group_layout(r, E),
+                              nullptr, replay.data()};
+    if (general) emu_general<R, float>(r, p); else emu_dispatch_bucket<R, float>(r, p);
+  };
+  mr::router<gat::softmax, sel::top_k, 8> softmax;
+  softmax.top_k = K;
+  mr::router<gat::softmax_after_topk, sel::top_k, 8> after;
+  after.top_k = K;
+  for (int general = 0; general < 2; ++general) {
+    CAPTURE(general);
+    std::vector<std::int32_t> gi, bi;
+    std::vector<float> gg, bg;
+    run(softmax, good, gi, gg, general != 0);
+    run(softmax, bad, bi, bg, general != 0);
+    for (std::int64_t s = 0; s < N * K; ++s) {
+      CAPTURE(s);
+      CHECK(bi[s] == (s % K == 1 ? -1 : gi[s]));
+      if (s % K == 1) CHECK(bg[s] == 0.0f);
+      else CHECK(emu::fbits(bg[s]) == emu::fbits(gg[s]));
+    }
+    run(after, bad, bi, bg, general != 0);  // softmax over the other two slots
+    for (std::int64_t t = 0; t < N; ++t) {
+      const float a = bg[t * K], c = bg[t * K + 2];
+      CHECK(bg[t * K + 1] == 0.0f);
+      if (std::isfinite(a) && std::isfinite(c)) CHECK(std::fabs(a + c - 1.0f) < 1e-6f);
+    }
   }
 }
 

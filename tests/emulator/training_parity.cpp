@@ -3,6 +3,8 @@
 // gates, non-finite counts, penalty values and dL/dz, for every prior policy
 // and penalty. The small per-call kernels (chunk totals, the shared dL/dp) are
 // replayed here with the same shared arithmetic (training/finalize.hpp).
+// Every case also runs under token masks (some, every or no token padding), and
+// a selection of them under routing replay.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -24,15 +26,20 @@ namespace pri = moe_route::prior;
 
 namespace {
 
+// The token mask of a batch: none given, or some, every or no token padding.
+enum class padding { unmasked, some, all, none };
+
 struct batch {
   std::int64_t N;
   int E;
   std::vector<float> z, expert_bias, prior_bias, prior_probs, load_fractions;
   std::vector<std::int32_t> rows, sequence_ids, expert_rank;
+  std::vector<std::uint8_t> mask;  // empty: no mask
+  std::vector<std::int32_t> replay;  // empty: no routing replay
   std::int64_t S = 5;
   std::int32_t num_sequences = 3;
 
-  batch(std::int64_t n, int e, std::uint64_t seed) : N(n), E(e) {
+  batch(std::int64_t n, int e, std::uint64_t seed, padding kind = padding::unmasked) : N(n), E(e) {
     std::mt19937_64 g(seed);
     // Integer-derived values: the same on every build.
     const auto uniform = [&g](int lo, int hi) { return lo + static_cast<int>(g() % static_cast<std::uint64_t>(hi - lo + 1)); };
@@ -56,6 +63,33 @@ struct batch {
     load_fractions.assign(E, 1.0f / E);
     expert_rank.resize(E);
     for (int x = 0; x < E; ++x) expert_rank[x] = x % 3;
+    if (kind == padding::unmasked) return;
+    // Padding rows hold what no call may read: NaN and inf logits, a prior
+    // row and a sequence id out of range.
+    mask.resize(N);
+    for (std::int64_t t = 0; t < N; ++t) {
+      const bool pad = kind == padding::all || (kind == padding::some && (t % 3 == 1 || t % 5 == 4));
+      mask[t] = pad ? 0 : static_cast<std::uint8_t>(1 + (t * 37) % 255);
+      if (!pad) continue;
+      for (int x = 0; x < E; ++x)
+        z[t * E + x] = x % 2 ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+      rows[t] = 1 << 30;
+      sequence_ids[t] = -7;
+    }
+  }
+
+  // Routing replay of K distinct experts per token, shuffled from the seed
+  // (padding rows: entries no call may read).
+  batch& replaying(int K, std::uint64_t seed) {
+    std::mt19937_64 g(seed);
+    std::vector<std::int32_t> experts(E);
+    replay.resize(N * K);
+    for (std::int64_t t = 0; t < N; ++t) {
+      for (int x = 0; x < E; ++x) experts[x] = x;
+      std::shuffle(experts.begin(), experts.end(), g);
+      for (int j = 0; j < K; ++j) replay[t * K + j] = padding_row(t) ? (j % 2 ? -3 : 1 << 30) : experts[j];
+    }
+    return *this;
   }
 
   mr::route_inputs<float> inputs() const {
@@ -73,8 +107,12 @@ struct batch {
     in.load_fractions = load_fractions.data();
     in.expert_rank = expert_rank.data();
     in.rank = 1;
+    in.token_mask = mask.empty() ? nullptr : mask.data();
+    in.replay_indices = replay.empty() ? nullptr : replay.data();
     return in;
   }
+
+  bool padding_row(std::int64_t t) const { return !mask.empty() && mask[t] == 0; }
 };
 
 template <class V>
@@ -118,31 +156,56 @@ void check_parity(const Router& r, const batch& b, bool admitted_gates = false, 
   const std::size_t bytes = pen::training_workspace_bytes(r, N, E, b.num_sequences);
 
   // The CPU backend.
-  std::vector<std::int32_t> cpu_idx(N * K);
-  std::vector<float> cpu_gates(N * K), cpu_dz(N * E);
-  std::vector<double> cpu_values(P);
-  std::vector<unsigned char> cpu_ws(bytes);
-  std::int64_t cpu_nonfinite = 0;
-  mr::route_outputs o;
-  o.indices = cpu_idx.data();
-  o.gates = cpu_gates.data();
-  o.nonfinite_rows = &cpu_nonfinite;
-  o.penalty_values = cpu_values.data();
-  o.workspace = cpu_ws.data();
-  o.workspace_bytes = bytes;
-  mr::cpu::route(r, in, o);
-  const std::vector<std::int32_t> admitted =
-      admitted_gates ? admit_pattern(cpu_idx, N, K, E) : std::vector<std::int32_t>{};
-  mr::backward_args a;
-  a.admitted_indices = admitted_gates ? admitted.data() : nullptr;
-  a.renormalize = renormalize;
-  a.indices = cpu_idx.data();
-  a.grad_gates = grad_gates.data();
-  a.grad_logits = cpu_dz.data();
-  a.workspace = cpu_ws.data();
-  a.workspace_bytes = bytes;
-  a.penalty_grads = upstream.data();
-  mr::cpu::backward(r, in, a);
+  struct cpu_result {
+    std::vector<std::int32_t> idx, admitted;
+    std::vector<float> gates, dz;
+    std::vector<double> values;
+    std::int64_t nonfinite = 0;
+  };
+  const auto run_cpu = [&](const mr::route_inputs<float>& cin) {
+    cpu_result c{std::vector<std::int32_t>(N * K), {}, std::vector<float>(N * K), std::vector<float>(N * E),
+                 std::vector<double>(P)};
+    std::vector<unsigned char> cpu_ws(bytes);
+    mr::route_outputs o;
+    o.indices = c.idx.data();
+    o.gates = c.gates.data();
+    o.nonfinite_rows = &c.nonfinite;
+    o.penalty_values = c.values.data();
+    o.workspace = cpu_ws.data();
+    o.workspace_bytes = bytes;
+    mr::cpu::route(r, cin, o);
+    if (admitted_gates) c.admitted = admit_pattern(c.idx, N, K, E);
+    mr::backward_args a;
+    a.admitted_indices = admitted_gates ? c.admitted.data() : nullptr;
+    a.renormalize = renormalize;
+    a.indices = c.idx.data();
+    a.grad_gates = grad_gates.data();
+    a.grad_logits = c.dz.data();
+    a.workspace = cpu_ws.data();
+    a.workspace_bytes = bytes;
+    a.penalty_grads = upstream.data();
+    mr::cpu::backward(r, cin, a);
+    return c;
+  };
+  const cpu_result cpu = run_cpu(in);
+  const std::vector<std::int32_t>& cpu_idx = cpu.idx;
+  const std::vector<std::int32_t>& admitted = cpu.admitted;
+  for (std::int64_t t = 0; t < N; ++t) {
+    if (!b.padding_row(t)) continue;
+    CAPTURE(t);
+    for (int j = 0; j < K; ++j) CHECK((cpu_idx[t * K + j] == -1 && cpu.gates[t * K + j] == 0.0f));
+    for (int e = 0; e < E; ++e) CHECK(emu::fbits(cpu.dz[t * E + e]) == 0u);
+  }
+  if (!b.mask.empty() && std::none_of(b.mask.begin(), b.mask.end(), [](std::uint8_t m) { return m == 0; })) {
+    mr::route_inputs<float> unmasked = in;  // a mask of valid tokens is no mask
+    unmasked.token_mask = nullptr;
+    const cpu_result u = run_cpu(unmasked);
+    CHECK(same_bits(u.idx, cpu.idx));
+    CHECK(same_bits(u.gates, cpu.gates));
+    CHECK(u.nonfinite == cpu.nonfinite);
+    CHECK(same_bits(u.values, cpu.values));
+    CHECK(same_bits(u.dz, cpu.dz));
+  }
 
   // The device path under the emulator.
   const auto layout = pen::training_layout<Router>(N, E, b.num_sequences);
@@ -206,72 +269,135 @@ void check_parity(const Router& r, const batch& b, bool admitted_gates = false, 
   for (std::int64_t t = 0; t < N; ++t) emu::run<int>([&] { cd::backward_training_row<emu::warp>(r, q, t); return 0; });
 
   CHECK(same_bits(idx, cpu_idx));
-  CHECK(same_bits(gates, cpu_gates));
-  CHECK(nonfinite == cpu_nonfinite);
-  if (Router::has_penalties) CHECK(same_bits(values, cpu_values));
-  CHECK(same_bits(dz, cpu_dz));
+  CHECK(same_bits(gates, cpu.gates));
+  CHECK(nonfinite == cpu.nonfinite);
+  if (Router::has_penalties) CHECK(same_bits(values, cpu.values));
+  CHECK(same_bits(dz, cpu.dz));
 }
 
 }  // namespace
 
 TEST_CASE("emulated CUDA training agents: every prior policy and penalty, bit-identical to the CPU backend") {
-  for (int E : {8, 45, 70}) {
-    CAPTURE(E);
-    const batch b(24, E, 1000 + E);
-    SUBCASE("softmax, log_prior_bias, every penalty") {
-      auto r = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::top_k, 8>{}, pri::log_prior_bias{0.7f},
-                                 pen::load_balance{0.3f}, pen::z_loss{0.01f}, pen::kl_to_base{0.2f}, pen::logit_l2{0.1f},
-                                 pen::locality{0.4f});
-      r.top_k = 3;
-      check_parity(r, b);
-    }
-    SUBCASE("sigmoid + expert bias, gates from z, load balance over sequences") {
-      auto r = mr::with_policies(mr::router<mr::gating::sigmoid, mr::selection::expert_bias, 8>{},
-                                 pri::log_prior_bias{1.5f, false},
-                                 pen::load_balance{0.3f, pen::load_balance::scope::sequence}, pen::kl_to_base{0.2f});
-      r.top_k = 4;
-      check_parity(r, b);
-    }
-    SUBCASE("sqrt_softplus, prior_override, kl_to_base and logit_l2") {
-      auto r = mr::with_policies(mr::router<mr::gating::sqrt_softplus, mr::selection::top_k, 8>{}, pri::prior_override{},
-                                 pen::kl_to_base{0.5f}, pen::logit_l2{0.05f}, pen::z_loss{0.02f});
-      r.top_k = 2;
-      check_parity(r, b);
-    }
-    SUBCASE("softmax_after_topk, global-batch load balance and z-loss") {
-      auto r = mr::with_policies(mr::router<mr::gating::softmax_after_topk, mr::selection::top_k, 4>{},
-                                 pen::load_balance{0.5f, pen::load_balance::scope::global_batch}, pen::z_loss{0.01f});
-      r.top_k = 2;
-      check_parity(r, b);
-    }
-    SUBCASE("admitted gates: plain router, with renormalisation") {
-      mr::router<mr::gating::softmax, mr::selection::top_k, 8> r;
-      r.top_k = 4;
-      r.normalize = true;
-      check_parity(r, b, true, true);
-    }
-    SUBCASE("admitted gates under the prior and penalties, every gating") {
-      auto soft = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::top_k, 8>{}, pri::log_prior_bias{0.7f},
-                                    pen::load_balance{0.3f}, pen::z_loss{0.01f});
-      soft.top_k = 3;
-      check_parity(soft, b, true, false);
-      auto sig = mr::with_policies(mr::router<mr::gating::sigmoid, mr::selection::top_k, 8>{}, pen::kl_to_base{0.2f});
-      sig.top_k = 3;
-      check_parity(sig, b, true, true);
-      auto satk = mr::with_policies(mr::router<mr::gating::softmax_after_topk, mr::selection::top_k, 4>{},
-                                    pri::prior_override{});
-      satk.top_k = 2;
-      check_parity(satk, b, true, false);
-    }
-    SUBCASE("fixed selection with prior_override") {
-      auto r = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::fixed, 4>{}, pri::prior_override{});
-      r.top_k = 2;
-      check_parity(r, b);
+  for (const padding kind : {padding::unmasked, padding::some, padding::all, padding::none}) {
+    for (int E : {8, 45, 70}) {
+      CAPTURE(static_cast<int>(kind));
+      CAPTURE(E);
+      const batch b(24, E, 1000 + E, kind);
+      SUBCASE("softmax, log_prior_bias, every penalty") {
+        auto r = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::top_k, 8>{}, pri::log_prior_bias{0.7f},
+                                   pen::load_balance{0.3f}, pen::z_loss{0.01f}, pen::kl_to_base{0.2f}, pen::logit_l2{0.1f},
+                                   pen::locality{0.4f});
+        r.top_k = 3;
+        check_parity(r, b);
+      }
+      SUBCASE("sigmoid + expert bias, gates from z, load balance over sequences") {
+        auto r = mr::with_policies(mr::router<mr::gating::sigmoid, mr::selection::expert_bias, 8>{},
+                                   pri::log_prior_bias{1.5f, false},
+                                   pen::load_balance{0.3f, pen::load_balance::scope::sequence}, pen::kl_to_base{0.2f});
+        r.top_k = 4;
+        check_parity(r, b);
+      }
+      SUBCASE("sqrt_softplus, prior_override, kl_to_base and logit_l2") {
+        auto r = mr::with_policies(mr::router<mr::gating::sqrt_softplus, mr::selection::top_k, 8>{}, pri::prior_override{},
+                                   pen::kl_to_base{0.5f}, pen::logit_l2{0.05f}, pen::z_loss{0.02f});
+        r.top_k = 2;
+        check_parity(r, b);
+      }
+      SUBCASE("softmax_after_topk, global-batch load balance and z-loss") {
+        auto r = mr::with_policies(mr::router<mr::gating::softmax_after_topk, mr::selection::top_k, 4>{},
+                                   pen::load_balance{0.5f, pen::load_balance::scope::global_batch}, pen::z_loss{0.01f});
+        r.top_k = 2;
+        check_parity(r, b);
+      }
+      SUBCASE("admitted gates: plain router, with renormalisation") {
+        mr::router<mr::gating::softmax, mr::selection::top_k, 8> r;
+        r.top_k = 4;
+        r.normalize = true;
+        check_parity(r, b, true, true);
+      }
+      SUBCASE("admitted gates under the prior and penalties, every gating") {
+        auto soft = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::top_k, 8>{}, pri::log_prior_bias{0.7f},
+                                      pen::load_balance{0.3f}, pen::z_loss{0.01f});
+        soft.top_k = 3;
+        check_parity(soft, b, true, false);
+        auto sig = mr::with_policies(mr::router<mr::gating::sigmoid, mr::selection::top_k, 8>{}, pen::kl_to_base{0.2f});
+        sig.top_k = 3;
+        check_parity(sig, b, true, true);
+        auto satk = mr::with_policies(mr::router<mr::gating::softmax_after_topk, mr::selection::top_k, 4>{},
+                                      pri::prior_override{});
+        satk.top_k = 2;
+        check_parity(satk, b, true, false);
+      }
+      SUBCASE("load counts from the plain top-K under the expert bias, batch and sequence scopes") {
+        for (const auto over : {pen::load_balance::scope::batch, pen::load_balance::scope::sequence}) {
+          pen::load_balance lb{0.3f, over};
+          lb.counts = pen::load_balance::count::top_k;
+          auto r = mr::with_policies(mr::router<mr::gating::sigmoid, mr::selection::expert_bias, 8>{}, lb,
+                                     pen::z_loss{0.01f});
+          r.top_k = 3;
+          check_parity(r, b);
+        }
+      }
+      SUBCASE("fixed selection with prior_override") {
+        auto r = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::fixed, 4>{}, pri::prior_override{});
+        r.top_k = 2;
+        check_parity(r, b);
+      }
     }
   }
   SUBCASE("group-limited selection with the prior bias") {
     auto r = mr::with_policies(mr::presets::deepseek_v3(), pri::log_prior_bias{1.0f}, pen::load_balance{0.2f});
     check_parity(r, batch(20, 256, 78));
+    check_parity(r, batch(20, 256, 79, padding::some));
+    mr::get<pen::load_balance>(r).counts = pen::load_balance::count::top_k;  // Megatron's aux-loss counts
+    check_parity(r, batch(20, 256, 80, padding::some));
+  }
+}
+
+TEST_CASE("emulated CUDA training agents under routing replay: bit-identical to the CPU backend") {
+  for (const padding kind : {padding::unmasked, padding::some}) {
+    for (int E : {8, 45}) {
+      CAPTURE(static_cast<int>(kind));
+      CAPTURE(E);
+      SUBCASE("softmax, log_prior_bias (gates from z'), every penalty") {
+        auto r = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::top_k, 8>{}, pri::log_prior_bias{0.7f},
+                                   pen::load_balance{0.3f}, pen::z_loss{0.01f}, pen::kl_to_base{0.2f}, pen::logit_l2{0.1f});
+        r.top_k = 3;
+        check_parity(r, batch(24, E, 2000 + E, kind).replaying(3, 5 + E));
+      }
+      SUBCASE("sigmoid + expert bias, gates from z, load balance over sequences") {
+        auto r = mr::with_policies(mr::router<mr::gating::sigmoid, mr::selection::expert_bias, 8>{},
+                                   pri::log_prior_bias{1.5f, false},
+                                   pen::load_balance{0.3f, pen::load_balance::scope::sequence});
+        r.top_k = 4;
+        r.normalize = true;
+        check_parity(r, batch(24, E, 2100 + E, kind).replaying(4, 6 + E));
+      }
+      SUBCASE("softmax_after_topk and fixed selection, prior_override") {
+        auto satk = mr::with_policies(mr::router<mr::gating::softmax_after_topk, mr::selection::top_k, 4>{},
+                                      pri::prior_override{}, pen::z_loss{0.01f});
+        satk.top_k = 2;
+        check_parity(satk, batch(24, E, 2200 + E, kind).replaying(2, 7 + E));
+        auto fixed = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::fixed, 4>{}, pen::load_balance{0.3f});
+        fixed.top_k = 2;
+        check_parity(fixed, batch(24, E, 2300 + E, kind).replaying(2, 8 + E), true, true);
+      }
+    }
+  }
+  SUBCASE("load counts from the plain top-K, not the replayed experts") {
+    pen::load_balance lb{0.3f, pen::load_balance::scope::sequence};
+    lb.counts = pen::load_balance::count::top_k;
+    auto r = mr::with_policies(mr::router<mr::gating::softmax_after_topk, mr::selection::top_k, 8>{}, lb);
+    r.top_k = 2;
+    check_parity(r, batch(24, 45, 2400, padding::some).replaying(2, 17));
+  }
+  SUBCASE("group-limited selection with the prior bias, K = E") {
+    auto r = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::top_k, 8>{}, pri::log_prior_bias{1.0f},
+                               pen::load_balance{0.2f});
+    r.top_k = 8;
+    check_parity(r, batch(20, 8, 90).replaying(8, 91));
+    auto d = mr::with_policies(mr::presets::deepseek_v3(), pri::log_prior_bias{1.0f}, pen::load_balance{0.2f});
+    check_parity(d, batch(20, 256, 92, padding::some).replaying(d.top_k, 93));
   }
 }
 

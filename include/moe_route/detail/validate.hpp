@@ -84,6 +84,9 @@ void validate_training_inputs(const Router& r, const route_inputs<T>& in) {
     }
     if (lb.over == penalty::load_balance::scope::global_batch && in.load_fractions == nullptr)
       fail("load_fractions is null, but load_balance over the global batch needs it");
+    if (lb.over == penalty::load_balance::scope::global_batch && lb.counts == penalty::load_balance::count::top_k)
+      fail("load_balance.counts = top_k counts nothing over the global batch (f comes from load_fractions); "
+           "use counts = selected");
   }
   if constexpr (traits::locality) {
     const auto& loc = get<penalty::locality>(r);
@@ -161,11 +164,6 @@ void validate_training_values(const Router& r, const route_inputs<T>& in) {
     for (int e = 0; e < E; ++e) local += in.expert_rank[e] == in.rank ? 1 : 0;
     if (local == 0) fail("expert_rank hosts no expert on rank (= " + std::to_string(in.rank) + "): locality has no target");
   }
-}
-
-// An input the CUDA backend does not take yet: refused there, not ignored.
-inline void refuse_on_device(const void* input, const char* name) {
-  if (input != nullptr) fail(std::string(name) + " is not supported by the CUDA backend yet");
 }
 
 // The replayed experts, on the host (the CPU backend): K distinct experts in

@@ -14,11 +14,20 @@ struct load_balance {
     sequence,      // f and P per sequence (route_inputs::sequence_ids), averaged over the sequences
     global_batch,  // f supplied by the caller (route_inputs::load_fractions), P over the call
   };
+  // Which experts f counts (batch and sequence scopes; global_batch takes f
+  // from the caller): the ones the router selected, or the K largest unbiased
+  // logits of each token, ties to the lower expert, whatever the selection
+  // (expert bias, groups, prior, replay): Megatron-Core's aux-loss counts.
+  enum class count {
+    selected,
+    top_k,
+  };
   static constexpr penalty::space space = penalty::space::distribution;
   static constexpr const char* name = "load_balance";
 
   float coefficient = 1e-3f;  // alpha
   scope over = scope::batch;
+  count counts = count::selected;
   // global_batch takes f from the caller: counts all-reduced over data-parallel
   // ranks, or counts *after admission* (penalty::load_fractions skips dropped
   // assignments), which is how the balance is measured after capacity drops.

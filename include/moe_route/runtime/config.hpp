@@ -120,6 +120,10 @@ inline void validate(const router_config& c) {
         value == -std::numeric_limits<float>::infinity())
       fail(std::string(field) + " must be finite");
   if (c.locality.epsilon < 0.0f || c.locality.epsilon >= 1.0f) fail("locality.epsilon must be in [0, 1)");
+  if (c.load_balance.counts == penalty::load_balance::count::top_k &&
+      c.load_balance.over == penalty::load_balance::scope::global_batch)
+    fail("load_balance.counts: top_k counts nothing over the global batch (f comes from load_fractions); use "
+         "selected");
 }
 
 template <class Gating, class Selection, class Prior>

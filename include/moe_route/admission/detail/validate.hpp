@@ -219,10 +219,11 @@ void validate_expert_choice_backward(const expert_choice_inputs<T>& in, const st
     fail("expert_choice_backward: logits, indices, grad_gates and grad_logits must not be null");
 }
 
-// Its indices, on the host (the CPU backend).
-inline void validate_expert_choice_backward_data(const std::int32_t* indices, std::int64_t num_tokens, int num_experts) {
+// Its indices, on the host (the CPU backend); padding tokens' rows are not read.
+inline void validate_expert_choice_backward_data(const std::int32_t* indices, std::int64_t num_tokens, int num_experts,
+                                                 const std::uint8_t* token_mask) {
   for (std::int64_t s = 0; s < num_tokens * num_experts; ++s)
-    if (indices[s] < -1 || indices[s] >= num_experts)
+    if (!moe_route::detail::token_masked(token_mask, s / num_experts) && (indices[s] < -1 || indices[s] >= num_experts))
       fail("indices[" + std::to_string(s) + "] must be -1 or an expert in [0, num_experts)");
 }
 

@@ -35,7 +35,8 @@ template <class T>
 void expert_choice_backward(const expert_choice_inputs<T>& in, const std::int32_t* indices, const float* grad_gates,
                             float* grad_logits, execution ex = {}) {
   admission::detail::validate_expert_choice_backward(in, indices, grad_gates, grad_logits);
-  if (in.num_tokens > 0) admission::detail::validate_expert_choice_backward_data(indices, in.num_tokens, in.num_experts);
+  if (in.num_tokens > 0) admission::detail::validate_expert_choice_backward_data(indices, in.num_tokens, in.num_experts,
+                                                                                 in.token_mask);
   admission_detail::expert_choice_backward(in, indices, grad_gates, grad_logits, ex);
 }
 

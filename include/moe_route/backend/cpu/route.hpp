@@ -54,9 +54,12 @@ route_report route(const Router& r, const route_inputs<T>& in, const route_outpu
           if (penalties) detail::clear_token_values<Router>(*ws, t);
         continue;
       }
-      bad += detail::route_token(r, in, t, scratch, out.indices + t * k, out.gates + t * k);
+      std::int32_t* routed = out.indices + t * k;
+      bad += detail::route_token(r, in, t, scratch, routed, out.gates + t * k);
       if constexpr (Router::has_penalties)
-        if (penalties) detail::penalty_forward_row(r, in, on, out.indices, t, scratch.penalties, partials[worker], *ws);
+        if (penalties)
+          detail::penalty_forward_row(r, in, on, detail::counted_experts(r, in, t, routed, scratch), t,
+                                      scratch.penalties, partials[worker], *ws);
     }
     nonfinite[worker] = bad;
   });

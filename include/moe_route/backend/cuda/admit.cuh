@@ -11,6 +11,8 @@
 // not read on the host: slots with a routed index outside [0, E), a group id
 // outside [0, num_groups) or (cosine) a norm that is not finite and > 0 are
 // dropped and counted in report->invalid (the CPU backend throws instead).
+// Padding tokens (in.token_mask) are read nowhere: their slots are dropped,
+// counted in no report field, and they are not in N_g.
 // out.report, if set, is a device pointer and is overwritten.
 //
 // Pipeline (every order from stable radix sorts of exact keys):
@@ -62,7 +64,6 @@ template <class Router, class Policy, class T>
 void admit(const Router& r, const Policy& p, const admission_inputs<T>& in, const admission_outputs& out,
            void* workspace, std::size_t workspace_bytes, cudaStream_t stream = 0) {
   admission::detail::validate_admission(r, p, in, out);
-  moe_route::detail::refuse_on_device(in.token_mask, "token_mask");
   const std::size_t needed = admit_workspace_bytes(r, p, in.num_tokens, in.num_experts, in.num_groups);
   admission_detail::launch_admit(detail::device_executor{stream}, r, p, detail::storage_inputs(in), out, workspace,
                                  workspace_bytes, needed);

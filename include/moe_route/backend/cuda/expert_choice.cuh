@@ -10,7 +10,9 @@
 // rows are compacted in ascending expert order with warp ballots. The
 // workspace holds N * E ranking items (about 33 bytes each). Tokens with a
 // group id outside [0, num_groups) are never picked and are counted in
-// report->invalid. out.report, if set, is a device pointer, overwritten.
+// report->invalid. Padding tokens (in.token_mask) are picked by no expert,
+// are not in N_g and are in no report field. out.report, if set, is a device
+// pointer, overwritten.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -46,18 +48,17 @@ void expert_choice(const selection::expert_choice& p, const expert_choice_inputs
                    const expert_choice_outputs& out, void* workspace, std::size_t workspace_bytes,
                    cudaStream_t stream = 0) {
   admission::detail::validate_expert_choice(p, in, out);
-  moe_route::detail::refuse_on_device(in.token_mask, "token_mask");
   admission_detail::launch_expert_choice(detail::device_executor{stream}, p, detail::storage_inputs(in), out, workspace,
                                          workspace_bytes);
 }
 
 // dL/dz [N x E] (overwritten) from dL/dgates [N x E] of an expert_choice result:
-// the bits of cpu::expert_choice_backward. Device pointers; one kernel on `stream`.
+// the bits of cpu::expert_choice_backward (a padding token's row is 0).
+// Device pointers; one kernel on `stream`.
 template <class T>
 void expert_choice_backward(const expert_choice_inputs<T>& in, const std::int32_t* indices, const float* grad_gates,
                             float* grad_logits, cudaStream_t stream = 0) {
   admission::detail::validate_expert_choice_backward(in, indices, grad_gates, grad_logits);
-  moe_route::detail::refuse_on_device(in.token_mask, "token_mask");
   admission_detail::launch_expert_choice_backward(detail::device_executor{stream}, detail::storage_inputs(in), indices,
                                                   grad_gates, grad_logits);
 }

@@ -37,15 +37,17 @@ namespace moe_route::cuda {
 
 // Forward: out.indices[N x K] (descending key order, ties to the lower expert)
 // and out.gates[N x K]; if out.nonfinite_rows is set, the number of rows with a
-// NaN or +-inf logit is added to that device counter. Routers with a prior
+// NaN or +-inf logit is added to that device counter. Padding tokens
+// (in.token_mask) get indices -1 and gates 0 and are in no penalty. With
+// in.replay_indices each token takes the caller's experts (docs/policies.md
+// §2.9); an entry outside [0, E) cannot be checked on the host and is written
+// as -1 with the gate of a -inf logit (the CPU backend rejects it). Routers with a prior
 // policy or penalties run the training kernels in mode::train (training.cuh):
 // out.penalty_values is a device array, out.workspace device memory.
 template <class Router, class T>
 void route(const Router& r, const route_inputs<T>& in, const route_outputs& out, cudaStream_t stream = 0) {
   static_assert(is_router<Router>, "cuda::route: the first argument must be a moe_route::router");
   moe_route::detail::validate_route(r, in, out);
-  moe_route::detail::refuse_on_device(in.token_mask, "token_mask");
-  moe_route::detail::refuse_on_device(in.replay_indices, "replay_indices");
   if constexpr (Router::has_penalties) {
     if (in.num_tokens == 0 || in.mode != mode::train) {
       detail::check_launch(cudaMemsetAsync(out.penalty_values, 0, sizeof(double) * Router::num_penalties, stream),
@@ -61,7 +63,8 @@ void route(const Router& r, const route_inputs<T>& in, const route_outputs& out,
     }
   }
   detail::route_params<S> p{detail::storage_pointer(in.logits), in.num_tokens, in.num_experts, in.expert_bias,
-                            out.indices, out.gates, detail::make_group_layout(r, in.num_experts)};
+                            out.indices, out.gates, detail::make_group_layout(r, in.num_experts), in.token_mask,
+                            in.replay_indices};
   detail::launch_route(r, p, out.nonfinite_rows, stream);
 }
 
@@ -69,12 +72,11 @@ void route(const Router& r, const route_inputs<T>& in, const route_outputs& out,
 // [N x K] and the forward's args.indices; with args.admitted_indices, the
 // gradient of admitted gates (admission/gates.hpp), as cpu::backward. Entries
 // of indices outside [0, E) are ignored on the device (agent_backward.cuh);
-// the CPU backend rejects them.
+// the CPU backend rejects them. Padding tokens (in.token_mask) get a zero row.
 template <class Router, class T>
 void backward(const Router& r, const route_inputs<T>& in, const backward_args& args, cudaStream_t stream = 0) {
   static_assert(is_router<Router>, "cuda::backward: the first argument must be a moe_route::router");
   moe_route::detail::validate_backward(r, in, args);
-  moe_route::detail::refuse_on_device(in.token_mask, "token_mask");
   if (in.num_tokens == 0) return;
   using S = detail::storage_t<T>;
   // Admitted gates, and training calls of routers with a prior or penalties,
@@ -84,7 +86,7 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
     return;
   }
   detail::backward_params<S> p{detail::storage_pointer(in.logits), in.num_tokens, in.num_experts,
-                               args.indices, args.grad_gates, args.grad_logits};
+                               args.indices, args.grad_gates, args.grad_logits, in.token_mask};
   detail::launch_backward(detail::backward_router(r), p, stream);
 }
 

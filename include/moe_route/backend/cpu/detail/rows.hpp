@@ -29,6 +29,7 @@ struct row_scratch {
   std::int32_t candidate_experts[max_experts + 16];  // their experts (+16: vector stores)
   float biased[max_experts];          // z + beta b of a token under log_prior_bias
   penalty_scratch penalties;          // the penalties' row buffers
+  std::int32_t counted[max_top_k];    // load_balance::count::top_k: a token's counted experts
 };
 
 // The k largest packed keys (order[e], then the lower e), descending: the
@@ -255,6 +256,27 @@ bool gates_at(const Router& r, const T* z, int num_experts, const std::int32_t* 
   for (int j = 0; j < r.top_k; ++j) selected[j] = row.score(indices[j]);
   moe_route::detail::gate_weights(r, selected, gates, r.top_k);
   return row.nonfinite;
+}
+
+// The experts token t's load-balance counts take (docs/policies.md §5.2): the
+// routed ones, or under load_balance::count::top_k the K largest unbiased
+// logits, ties to the lower expert (a NaN logit ranks last).
+template <class Router, class T>
+const std::int32_t* counted_experts(const Router& r, const route_inputs<T>& in, std::int64_t t,
+                                    const std::int32_t* routed, row_scratch& scratch) {
+  if constexpr (Router::template has<penalty::load_balance>) {
+    if (get<penalty::load_balance>(r).counts == penalty::load_balance::count::top_k) {
+      const int num_experts = in.num_experts;
+      const T* z = in.logits + t * num_experts;
+      for (int e = 0; e < num_experts; ++e)
+        scratch.order[e] = ordered_key(moe_route::detail::sanitize(num::to_float(z[e])));
+      std::uint64_t best[Router::max_k];
+      select_top(scratch.order, nullptr, num_experts, r.top_k, best, scratch);
+      for (int j = 0; j < r.top_k; ++j) scratch.counted[j] = moe_route::detail::packed_expert(best[j]);
+      return scratch.counted;
+    }
+  }
+  return routed;
 }
 
 // One token of a replayed forward: the caller's experts, gated as the router

@@ -249,10 +249,11 @@ void clear_token_values(const workspace_view& ws, std::int64_t t) {
 }
 
 // The forward of the penalties for token t: its per-token values into the
-// workspace, its sums into `part`.
+// workspace, its sums into `part`; `counted` holds the K experts its
+// load-balance counts take.
 template <class Router, class T>
 void penalty_forward_row(const Router& r, const route_inputs<T>& in, const penalty::switches& on,
-                         const std::int32_t* indices, std::int64_t t, penalty_scratch& sc, penalty_partials& part,
+                         const std::int32_t* counted, std::int64_t t, penalty_scratch& sc, penalty_partials& part,
                          const workspace_view& ws) {
   using traits = penalty::penalty_traits<Router>;
   const int E = in.num_experts, k = r.top_k;
@@ -267,9 +268,9 @@ void penalty_forward_row(const Router& r, const route_inputs<T>& in, const penal
       const std::int64_t s = in.sequence_ids[t];
       ++part.sequence_tokens[s];
       for (int e = 0; e < E; ++e) part.sequence_sums[s * E + e] += penalty::to_fixed_point(sc.p[e]);
-      for (int j = 0; j < k; ++j) ++part.sequence_counts[s * E + indices[t * k + j]];
+      for (int j = 0; j < k; ++j) ++part.sequence_counts[s * E + counted[j]];
     } else if (counts_selections(r)) {
-      for (int j = 0; j < k; ++j) ++part.counts[indices[t * k + j]];
+      for (int j = 0; j < k; ++j) ++part.counts[counted[j]];
     }
   }
   if constexpr (traits::z_loss)

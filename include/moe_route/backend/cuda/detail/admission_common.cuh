@@ -104,10 +104,13 @@ MOE_ROUTE_CUDA_DEVICE admission::row_stats warp_row_stats(const S* z, int num_ex
 // Warps that cover `tokens` tokens at one token per lane (warp w, lane l: token 32 w + l).
 inline std::int64_t token_warps(std::int64_t tokens) { return (tokens + warp_threads - 1) / warp_threads; }
 
-// Tokens per admission group, counted by warps of 32 tokens (token_warps). Integer atomics: the totals do not depend on their order.
-// Ids outside [0, num_groups) are not counted. counts must be zeroed first.
+// Valid tokens per admission group (N_g), counted by warps of 32 tokens
+// (token_warps). Integer atomics: the totals do not depend on their order.
+// Padding tokens and ids outside [0, num_groups) are not counted; null
+// group_ids: one group. counts must be zeroed first.
 struct count_groups {
   const std::int32_t* group_ids;
+  const std::uint8_t* token_mask;
   std::int64_t num_tokens;
   int num_groups;
   std::int64_t* counts;
@@ -115,13 +118,13 @@ struct count_groups {
   template <class W>
   MOE_ROUTE_CUDA_DEVICE void run(std::int64_t w, std::uint32_t*) const {
     const std::int64_t t = w * warp_threads + W::lane();
-    if (t >= num_tokens) return;
-    const int g = group_ids[t];
+    if (t >= num_tokens || moe_route::detail::token_masked(token_mask, t)) return;
+    const int g = group_ids != nullptr ? group_ids[t] : 0;
     if (g >= 0 && g < num_groups) W::atomic_add(counts + g, std::int64_t{1});
   }
 };
 
-// The group sizes of one call: counted from group_ids, or N for one group.
+// The group sizes of one call: counted, or N for one group and no mask.
 struct set_value {
   std::int64_t* target;
   std::int64_t value;
@@ -129,11 +132,11 @@ struct set_value {
 };
 
 template <class Exec>
-void group_sizes(const Exec& ex, const std::int32_t* group_ids, std::int64_t num_tokens, int num_groups,
-                 std::int64_t* counts) {
-  if (group_ids != nullptr) {
+void group_sizes(const Exec& ex, const std::int32_t* group_ids, const std::uint8_t* token_mask,
+                 std::int64_t num_tokens, int num_groups, std::int64_t* counts) {
+  if (group_ids != nullptr || token_mask != nullptr) {
     ex.fill(counts, 0, sizeof(std::int64_t) * static_cast<std::size_t>(num_groups), "group sizes");
-    ex.for_each_warp(token_warps(num_tokens), 0, count_groups{group_ids, num_tokens, num_groups, counts},
+    ex.for_each_warp(token_warps(num_tokens), 0, count_groups{group_ids, token_mask, num_tokens, num_groups, counts},
                      "count_groups");
   } else {
     ex.for_each(1, set_value{counts, num_tokens}, "set_value");

@@ -60,11 +60,16 @@ void launch_admit(const Exec& ex, const Router& r, const Policy& p, const admiss
   const int k = r.top_k;
   const std::int64_t slots = n_tokens * k;
   if constexpr (Policy::is_dropless) {
-    if (slots == 0 && out.report == nullptr) return;
-    ex.for_each(slots > 0 ? slots : 1,
-                copy_through_step{in.routed_indices, in.routed_gates, slots, out.indices, out.gates, out.status,
-                                  out.report},
-                "admission copy_through");
+    if (slots > 0)
+      ex.for_each(slots,
+                  copy_through_step{in.routed_indices, in.routed_gates, in.token_mask, k, out.indices, out.gates,
+                                    out.status},
+                  "admission copy_through");
+    if (out.report != nullptr) {
+      ex.fill(out.report, 0, sizeof(admission_report), "report");
+      ex.for_each_warp(token_warps(n_tokens), 0, dropless_report_agent{in.token_mask, n_tokens, k, out.report},
+                       "admission report");
+    }
   } else {
     if (n_tokens == 0) {
       if (out.report != nullptr) ex.fill(out.report, 0, sizeof(admission_report), "report");
@@ -86,6 +91,7 @@ void launch_admit(const Exec& ex, const Router& r, const Policy& p, const admiss
     prm.group_ids = in.group_ids;
     prm.num_groups = in.num_groups;
     prm.capacity = in.capacity;
+    prm.token_mask = in.token_mask;
     prm.capacity_factor = p.capacity_factor;
     prm.min_capacity = p.min_capacity;
     if constexpr (Policy::reroutes) prm.fill_factor = p.overflow.fill_factor;
@@ -101,7 +107,7 @@ void launch_admit(const Exec& ex, const Router& r, const Policy& p, const admiss
     ranking& rank = l.rank;
     const ranking_items items{rank.keys[0], rank.items[0], rank.segs[0]};
 
-    group_sizes(ex, in.group_ids, n_tokens, in.num_groups, l.group_tokens);
+    group_sizes(ex, in.group_ids, in.token_mask, n_tokens, in.num_groups, l.group_tokens);
     ex.fill(l.load, 0, sizeof(std::int64_t) * segments, "loads");
     ex.for_each(segments, limits_step<S>{prm}, "admission limits");
 
@@ -130,7 +136,7 @@ void launch_admit(const Exec& ex, const Router& r, const Policy& p, const admiss
     // 5. Report.
     if (out.report != nullptr) {
       ex.fill(out.report, 0, sizeof(admission_report), "report");
-      ex.for_each_warp(token_warps(n_tokens), 0, report_agent{l.state, n_tokens, k, out.report},
+      ex.for_each_warp(token_warps(n_tokens), 0, report_agent{l.state, in.token_mask, n_tokens, k, out.report},
                        "admission report");
     }
   }

@@ -3,6 +3,10 @@
 // warp agents over the warp type W (one warp per token; run<W>(t, scratch)),
 // item steps are per-thread functors (operator()(i)); both replay
 // backend/cpu/detail/admission.hpp bit for bit.
+//
+// A padding token (token_mask byte 0) reads no input: its slots are dropped
+// outside every segment, get index -1 and gate 0, and are in no report field;
+// the group sizes leave it out (count_groups).
 #pragma once
 
 #include <cstdint>
@@ -42,6 +46,7 @@ struct admit_params {
   const std::int32_t* group_ids;   // [N] or null
   int num_groups;
   const std::int64_t* capacity;    // [E] or null
+  const std::uint8_t* token_mask;  // [N] or null: 0 marks a padding token
   double capacity_factor;
   std::int64_t min_capacity;
   double fill_factor;
@@ -105,11 +110,21 @@ struct strict_items_agent {
     const int lane = W::lane();
     const int k = p.top_k, e_count = p.num_experts;
     const std::uint8_t rejected = Policy::reroutes ? state_pending : state_dropped;
+    const std::int64_t s = t * k + lane;
+    if (moe_route::detail::token_masked(p.token_mask, t)) {  // warp-uniform
+      if (lane < k) {
+        p.state[s] = state_dropped;
+        p.target[s] = -1;
+        out.keys[s] = 0;
+        out.items[s] = static_cast<std::uint32_t>(s);
+        out.segs[s] = p.sentinel;
+      }
+      return;
+    }
     const S* z = p.logits + t * e_count;
     adm::row_stats st;
     if constexpr (affinity_needs_row<Policy, G>) st = warp_row_stats<W>(z, e_count);
     if (lane >= k) return;
-    const std::int64_t s = t * k + lane;
     const int g = p.group_of(t);
     const int e = p.routed[s];
     bool invalid = g < 0 || g >= p.num_groups || e < 0 || e >= e_count;
@@ -182,8 +197,9 @@ struct propose_agent {
     const std::uint32_t pending = W::ballot(lane < k && status == state_pending);
     std::int32_t proposal = -1;
     std::uint64_t proposal_key = 0;
-    const int g = p.group_of(t);
-    if (pending != 0) {  // warp-uniform
+    int g = 0;
+    if (pending != 0) {  // warp-uniform; a padding token has no pending slot
+      g = p.group_of(t);
       const S* z = p.logits + t * e_count;
       adm::row_stats st;
       if constexpr (affinity_needs_row<Policy, G>) st = warp_row_stats<W>(z, e_count);
@@ -287,6 +303,14 @@ struct outputs_agent {
     const int lane = W::lane();
     const int k = p.top_k, e_count = p.num_experts;
     const std::int64_t s = t * k + lane;
+    if (moe_route::detail::token_masked(p.token_mask, t)) {  // warp-uniform; its routed slots are not read
+      if (lane < k) {
+        out_indices[s] = -1;
+        out_gates[s] = 0.0f;
+        if (out_status != nullptr) out_status[s] = static_cast<std::int8_t>(adm::slot_status::dropped);
+      }
+      return;
+    }
     std::uint8_t status = state_dropped;
     if (lane < k) {
       std::uint8_t state = p.state[s];
@@ -331,18 +355,20 @@ struct outputs_agent {
 
 // 5. The report: integer sums by warps of 32 tokens (lane l: token 32 w + l),
 // one atomic add per warp and field: the totals do not depend on the order.
-// The report must be zeroed first.
+// Padding tokens are in no field. The report must be zeroed first.
 struct report_agent {
   const std::uint8_t* state;
+  const std::uint8_t* token_mask;
   std::int64_t num_tokens;
   int k;
   admission_report* report;
 
   template <class W>
   MOE_ROUTE_CUDA_DEVICE void run(std::int64_t w, std::uint32_t*) const {
-    std::uint64_t kept = 0, rerouted = 0, dropped = 0, below = 0, over = 0, invalid = 0, none = 0;
+    std::uint64_t offered = 0, kept = 0, rerouted = 0, dropped = 0, below = 0, over = 0, invalid = 0, none = 0;
     const std::int64_t t = w * warp_threads + W::lane();
-    if (t < num_tokens) {
+    if (t < num_tokens && !moe_route::detail::token_masked(token_mask, t)) {
+      offered = static_cast<std::uint64_t>(k);
       int alive = 0;
       for (int j = 0; j < k; ++j) {
         const std::uint8_t s = state[t * k + j];
@@ -357,6 +383,7 @@ struct report_agent {
       }
       none += alive == 0;
     }
+    offered = detail::warp_sum_count<W>(offered);
     kept = detail::warp_sum_count<W>(kept);
     rerouted = detail::warp_sum_count<W>(rerouted);
     dropped = detail::warp_sum_count<W>(dropped);
@@ -368,6 +395,7 @@ struct report_agent {
     const auto add = [](std::int64_t* field, std::uint64_t v) {
       if (v != 0) W::atomic_add(field, static_cast<std::int64_t>(v));
     };
+    add(&report->offered, offered);
     add(&report->kept, kept);
     add(&report->rerouted, rerouted);
     add(&report->dropped, dropped);
@@ -375,31 +403,44 @@ struct report_agent {
     add(&report->over_capacity, over);
     add(&report->invalid, invalid);
     add(&report->tokens_without_experts, none);
-    if (w == 0) add(&report->offered, static_cast<std::uint64_t>(num_tokens) * static_cast<std::uint64_t>(k));
   }
 };
 
-// Dropless policies: the routed slots pass through unchanged.
+// Dropless policies: the routed slots of valid tokens pass through unchanged;
+// a padding token's slots are dropped (-1, gate 0), unread.
 struct copy_through_step {
   const std::int32_t* indices;
   const float* gates;
-  std::int64_t slots;
+  const std::uint8_t* token_mask;
+  int k;
   std::int32_t* out_indices;
   float* out_gates;
   std::int8_t* out_status;
-  admission_report* report;
   MOE_ROUTE_CUDA_DEVICE void operator()(std::int64_t s) const {
-    if (s < slots) {
-      out_indices[s] = indices[s];
-      out_gates[s] = gates[s];
-      if (out_status != nullptr) out_status[s] = static_cast<std::int8_t>(adm::slot_status::kept);
-    }
-    if (report != nullptr && s == 0) {
-      admission_report r;
-      r.offered = slots;
-      r.kept = slots;
-      *report = r;
-    }
+    const bool padding = moe_route::detail::token_masked(token_mask, s / k);
+    out_indices[s] = padding ? -1 : indices[s];
+    out_gates[s] = padding ? 0.0f : gates[s];
+    if (out_status != nullptr)
+      out_status[s] = static_cast<std::int8_t>(padding ? adm::slot_status::dropped : adm::slot_status::kept);
+  }
+};
+
+// The report of a dropless policy: every slot of a valid token is offered and
+// kept (warps of 32 tokens, as report_agent). The report must be zeroed first.
+struct dropless_report_agent {
+  const std::uint8_t* token_mask;
+  std::int64_t num_tokens;
+  int k;
+  admission_report* report;
+
+  template <class W>
+  MOE_ROUTE_CUDA_DEVICE void run(std::int64_t w, std::uint32_t*) const {
+    const std::int64_t t = w * warp_threads + W::lane();
+    const bool valid = t < num_tokens && !moe_route::detail::token_masked(token_mask, t);
+    const std::uint64_t slots = detail::warp_sum_count<W>(valid ? static_cast<std::uint64_t>(k) : 0u);
+    if (W::lane() != 0 || slots == 0) return;
+    W::atomic_add(&report->offered, static_cast<std::int64_t>(slots));
+    W::atomic_add(&report->kept, static_cast<std::int64_t>(slots));
   }
 };
 

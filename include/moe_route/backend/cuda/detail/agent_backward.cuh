@@ -15,6 +15,9 @@
 // backend rejects them on the host): they read no logit, take part in the
 // gate VJP with score 0 (logit -inf for softmax_after_topk, i.e. weight 0),
 // are left out of the softmax dot product and write no gradient.
+//
+// A padding token (token_mask byte 0) gets a zero row; neither its logits nor
+// its indices are read.
 #pragma once
 
 #include <cstdint>
@@ -103,6 +106,10 @@ MOE_ROUTE_CUDA_DEVICE void backward_rows_bucket(const Router& r, const backward_
   const int lane = W::lane();
   const int E = p.num_experts;
   for (std::int64_t token = first; token < p.num_tokens; token += stride) {
+    if (is_padding<W>(p.token_mask, token)) {
+      zero_row<W>(p.grad_logits + token * E, E);
+      continue;
+    }
     const T* z = p.logits + token * E;
     float v[Slots];
     float m = -num::float_max;
@@ -152,6 +159,10 @@ MOE_ROUTE_CUDA_DEVICE void backward_rows_general(const Router& r, const backward
   const int lane = W::lane();
   const int E = p.num_experts;
   for (std::int64_t token = first; token < p.num_tokens; token += stride) {
+    if (is_padding<W>(p.token_mask, token)) {
+      zero_row<W>(p.grad_logits + token * E, E);
+      continue;
+    }
     const T* z = p.logits + token * E;
     float row_max = 0.0f, row_sum = 0.0f;
     if constexpr (row_softmax) {

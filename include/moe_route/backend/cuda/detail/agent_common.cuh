@@ -76,6 +76,8 @@ struct route_params {
   std::int32_t* indices;      // [N x K]
   float* gates;               // [N x K]
   group_layout groups;
+  const std::uint8_t* token_mask;  // [N] or null: 0 marks a padding token
+  const std::int32_t* replay_indices;  // [N x K] or null: route to these experts
 };
 
 template <class T>
@@ -86,7 +88,48 @@ struct backward_params {
   const std::int32_t* indices;  // [N x K]
   const float* grad_gates;      // [N x K]
   float* grad_logits;           // [N x E]
+  const std::uint8_t* token_mask;  // [N] or null: 0 marks a padding token
 };
+
+// Whether `token` is a padding token (docs/policies.md, "Token mask"). Every
+// lane reads the same byte, so branches on it are warp-uniform.
+template <class W>
+MOE_ROUTE_CUDA_DEVICE bool is_padding(const std::uint8_t* token_mask, std::int64_t token) {
+  return token_mask != nullptr && W::load(token_mask + token) == 0;
+}
+
+// The forward outputs of a padding token: routed nowhere.
+template <class W>
+MOE_ROUTE_CUDA_DEVICE void write_padding(std::int32_t* indices, float* gates, std::int64_t token, int k) {
+  const int lane = W::lane();
+  if (lane < k) {
+    indices[token * k + lane] = -1;
+    gates[token * k + lane] = 0.0f;
+  }
+}
+
+// Lane j < K's expert under routing replay (docs/policies.md §2.9). Device
+// data cannot be validated before the launch: an entry outside [0, E) gives
+// -1, which is written as the index and gated as a logit of -inf (the CPU
+// backend rejects it).
+template <class W>
+MOE_ROUTE_CUDA_DEVICE int replayed_expert(const std::int32_t* replay_indices, std::int64_t token, int k, int E) {
+  if (W::lane() >= k) return 0;
+  const int e = W::load(replay_indices + token * k + W::lane());
+  return e >= 0 && e < E ? e : -1;
+}
+
+// The gating score of a slot without an expert: the weight of a -inf logit.
+template <class G>
+MOE_ROUTE_CUDA_DEVICE float absent_score() {
+  return G::shape == gating::kind::selected_softmax ? -num::infinity() : 0.0f;
+}
+
+// The gradient row of a padding token: +0 for every expert.
+template <class W>
+MOE_ROUTE_CUDA_DEVICE void zero_row(float* dz, int num_experts) {
+  for (int e = W::lane(); e < num_experts; e += warp_threads) dz[e] = 0.0f;
+}
 
 // The gating score of an expert from its sanitised logit (row_state::score):
 // the row maximum and canonical sum are used by row_softmax only; for
@@ -181,8 +224,9 @@ MOE_ROUTE_CUDA_DEVICE void write_selection(const Router& r, const route_params<T
   using G = typename Router::gating_type;
   const int lane = W::lane();
   const int k = r.top_k;
-  float mine = 0.0f;
-  if (lane < k) mine = score_of<G>(num::sanitize(num::to_float(W::load(z + my_expert))), row_max, row_sum);
+  float mine = absent_score<G>();
+  if (lane < k && my_expert >= 0)
+    mine = score_of<G>(num::sanitize(num::to_float(W::load(z + my_expert))), row_max, row_sum);
   float selected[Router::max_k];
   float w[Router::max_k];
   for (int j = 0; j < k; ++j) selected[j] = W::shfl(mine, j);

@@ -6,13 +6,16 @@
 // Forward: each token's softmax statistics (warp), the ranking item of every
 // (token, expert) pair (thread), the cut at C_e over the ranked pairs
 // (thread), each token's chosen experts compacted in ascending order with
-// ballots (warp), and the report (warps of 32 tokens).
+// ballots (warp), and the report (warps of 32 tokens). A padding token
+// (token_mask byte 0) reads no input: its pairs rank nowhere, so no expert
+// picks it, its row is -1 / 0, and it is in no report field.
 //
 // Backward (cpu::expert_choice_backward replayed exactly). One warp per token: the
 // row's softmax statistics, <ds, s> over the chosen slots in the canonical
 // lane order (slot j in lane j mod 32), the dense row dz = s * -dot, then,
 // after W::sync(), the chosen experts' entries s * (ds - dot). Slots with an
-// index outside [0, E) are ignored (the CPU backend rejects them).
+// index outside [0, E) are ignored (the CPU backend rejects them). A padding
+// token's row is +0, its logits and indices unread.
 #pragma once
 
 #include <cstdint>
@@ -68,6 +71,7 @@ struct ec_params {
   const std::int32_t* group_ids;
   int num_groups;
   const std::int64_t* capacity;
+  const std::uint8_t* token_mask;  // [N] or null: 0 marks a padding token
   int top_k;
   double capacity_factor;
   std::int64_t min_capacity;
@@ -82,12 +86,14 @@ struct ec_stats_agent {
   ec_params<S> p;
   template <class W>
   MOE_ROUTE_CUDA_DEVICE void run(std::int64_t t, std::uint32_t*) const {
+    if (moe_route::detail::token_masked(p.token_mask, t)) return;  // warp-uniform
     const admission::row_stats st = warp_row_stats<W>(p.logits + t * p.num_experts, p.num_experts);
     if (W::lane() == 0) p.stats[t] = st;
   }
 };
 
-// Pair i = (t, e): key rank_key(s_{t,e}, t), segment group * E + e (or the sentinel).
+// Pair i = (t, e): key rank_key(s_{t,e}, t), segment group * E + e (or the
+// sentinel, for an invalid group or a padding token).
 template <class S>
 struct ec_items_step {
   ec_params<S> p;
@@ -97,10 +103,15 @@ struct ec_items_step {
   MOE_ROUTE_CUDA_DEVICE void operator()(std::int64_t i) const {
     const std::int64_t t = i / p.num_experts;
     const int e = static_cast<int>(i - t * p.num_experts);
+    items[i] = static_cast<std::uint32_t>(i);
+    if (moe_route::detail::token_masked(p.token_mask, t)) {
+      keys[i] = 0;
+      segs[i] = p.sentinel;
+      return;
+    }
     const int g = p.group_ids != nullptr ? p.group_ids[t] : 0;
     const float s = admission::gate_input<gating::softmax>(num::sanitize(num::to_float(p.logits[i])), p.stats[t]);
     keys[i] = admission::rank_key(s, t);
-    items[i] = static_cast<std::uint32_t>(i);
     segs[i] = g >= 0 && g < p.num_groups
                   ? static_cast<std::uint32_t>(g) * static_cast<std::uint32_t>(p.num_experts) + static_cast<std::uint32_t>(e)
                   : p.sentinel;
@@ -162,6 +173,7 @@ struct ec_outputs_agent {
 struct ec_report_agent {
   const std::int32_t* indices;
   const std::int32_t* group_ids;
+  const std::uint8_t* token_mask;
   std::int64_t num_tokens;
   int num_experts;
   int num_groups;
@@ -171,7 +183,7 @@ struct ec_report_agent {
     std::uint64_t assignments = 0, none = 0, invalid = 0;
     std::uint32_t most = 0;
     const std::int64_t t = w * warp_threads + W::lane();
-    if (t < num_tokens) {
+    if (t < num_tokens && !moe_route::detail::token_masked(token_mask, t)) {
       std::uint32_t c = 0;
       const std::int32_t* row = indices + t * num_experts;
       while (c < static_cast<std::uint32_t>(num_experts) && row[c] >= 0) ++c;
@@ -197,12 +209,17 @@ template <class T>
 struct ec_backward_agent {
   const T* logits;
   int num_experts;
+  const std::uint8_t* token_mask;
   const std::int32_t* indices;
   const float* grad_gates;
   float* grad_logits;
   template <class W>
   MOE_ROUTE_CUDA_DEVICE void run(std::int64_t t, std::uint32_t*) const {
     const std::int64_t row = t * num_experts;
+    if (moe_route::detail::token_masked(token_mask, t)) {  // warp-uniform
+      for (int e = W::lane(); e < num_experts; e += warp_threads) grad_logits[row + e] = 0.0f;
+      return;
+    }
     detail::expert_choice_backward_row<W>(logits + row, indices + row, grad_gates + row, num_experts, grad_logits + row);
   }
 };

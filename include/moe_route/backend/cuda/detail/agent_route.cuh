@@ -15,6 +15,9 @@
 //   grouped: keys outside the kept groups are set to 0 (mask_groups);
 //   top-K: K rounds of a warp-wide maximum of the packed keys (descending, ties to the lower index);
 //   gates: detail::gate_weights on the K selected scores.
+// A padding token (token_mask byte 0) reads no logit and is not counted as
+// non-finite: its K slots get index -1 and gate 0. Under routing replay the
+// top-K step is skipped: the caller's experts are gated (replayed_expert).
 #pragma once
 
 #include <cstdint>
@@ -55,6 +58,10 @@ MOE_ROUTE_CUDA_DEVICE std::int64_t route_rows_bucket(const Router& r, const rout
 
   std::int64_t nonfinite_rows = 0;
   for (std::int64_t token = first; token < p.num_tokens; token += stride) {
+    if (is_padding<W>(p.token_mask, token)) {
+      write_padding<W>(p.indices, p.gates, token, k);
+      continue;
+    }
     const T* z = p.logits + token * E;
 
     // Load and sanitise the row; note non-finite logits.
@@ -94,7 +101,9 @@ MOE_ROUTE_CUDA_DEVICE std::int64_t route_rows_bucket(const Router& r, const rout
     }
 
     int my_expert = 0;  // lane j < K: the j-th selected expert
-    if constexpr (!keyed) {
+    if (p.replay_indices != nullptr) {  // warp-uniform
+      my_expert = replayed_expert<W>(p.replay_indices, token, k, E);
+    } else if constexpr (!keyed) {
       if (lane < k) my_expert = S::expert(token, lane, k, E);
     } else {
       std::uint64_t key[Slots];
@@ -168,6 +177,10 @@ MOE_ROUTE_CUDA_DEVICE std::int64_t route_rows_general(const Router& r, const rou
 
   std::int64_t nonfinite_rows = 0;
   for (std::int64_t token = first; token < p.num_tokens; token += stride) {
+    if (is_padding<W>(p.token_mask, token)) {
+      write_padding<W>(p.indices, p.gates, token, k);
+      continue;
+    }
     const T* z = p.logits + token * E;
 
     // Pass 1: non-finite logits and the row maximum.
@@ -191,7 +204,9 @@ MOE_ROUTE_CUDA_DEVICE std::int64_t route_rows_general(const Router& r, const rou
     }
 
     int my_expert = 0;
-    if constexpr (!keyed) {
+    if (p.replay_indices != nullptr) {  // warp-uniform
+      my_expert = replayed_expert<W>(p.replay_indices, token, k, E);
+    } else if constexpr (!keyed) {
       if (lane < k) my_expert = S::expert(token, lane, k, E);
     } else {
       // Pass 3: packed keys into shared memory (each lane its own experts).

@@ -18,6 +18,10 @@
 // Device-side inputs cannot be checked before launch: a token_prior_row
 // outside [-1, S) acts as -1 (no prior), a sequence id outside
 // [0, num_sequences) leaves the token out of the per-sequence sums.
+//
+// A padding token (token_mask byte 0) reads no input: it is routed nowhere
+// (indices -1, gates 0), is in no penalty sum, count or per-token value (its
+// values are 0) and gets a zero gradient row.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +48,8 @@ struct training_params {
   const T* logits;                     // [N x E]
   std::int64_t num_tokens;
   int num_experts;
+  const std::uint8_t* token_mask;      // [N] or null: 0 marks a padding token
+  const std::int32_t* replay_indices;  // [N x K] or null: route to these experts
   const float* expert_bias;            // [E] or null
   group_layout groups;
   // Prior.
@@ -55,6 +61,7 @@ struct training_params {
   penalty::switches on;
   bool sequences;                      // load_balance over sequences
   bool counting;                       // load_balance counts selections (batch scope)
+  bool count_top_k;                    // ... of the K largest unbiased logits (load_balance::count::top_k)
   const std::int32_t* sequence_ids;
   std::int32_t num_sequences;
   std::int64_t* valid_tokens;          // workspace header
@@ -226,6 +233,40 @@ struct warp_penalty_row {
   }
 };
 
+// Lane j < K's expert of the K largest packed keys in the warp's shared
+// `keys` [E] (K rounds of a warp-wide maximum).
+template <class W>
+MOE_ROUTE_CUDA_DEVICE int shared_top_k(const std::uint64_t* keys, int E, int k) {
+  const int lane = W::lane();
+  int mine = 0;
+  std::uint64_t local = 0;
+  for (int e = lane; e < E; e += warp_threads) local = keys[e] > local ? keys[e] : local;
+  for (int round = 0; round < k; ++round) {
+    const std::uint64_t best = warp_max_key<W>(local);
+    if (lane == round) mine = num::packed_expert(best);
+    local = 0;
+    for (int e = lane; e < E; e += warp_threads) {
+      const std::uint64_t key = keys[e];
+      if (key < best && key > local) local = key;
+    }
+  }
+  return mine;
+}
+
+// The expert lane j < K's load-balance counts take (docs/policies.md §5.2):
+// its routed one, or under load_balance::count::top_k the j-th largest
+// unbiased logit, ties to the lower expert (over the warp's shared `keys`).
+template <class W, class T>
+MOE_ROUTE_CUDA_DEVICE int counted_expert(const training_params<T>& p, const T* z, int routed, int k,
+                                         std::uint64_t* keys) {
+  if (!p.count_top_k) return routed;
+  const int E = p.num_experts;
+  W::sync();  // the selection has read its keys
+  for (int e = W::lane(); e < E; e += warp_threads) keys[e] = num::pack_key(num::sanitize(num::to_float(W::load(z + e))), e);
+  W::sync();
+  return shared_top_k<W>(keys, E, k);
+}
+
 // Routes one token of a training call and does its penalty forward. `keys`
 // is the warp's E-key shared region, `sums` its E fixed-point sums (shared,
 // lane-owned), `counts` the block's selection counts, `tokens` the block's
@@ -241,6 +282,15 @@ MOE_ROUTE_CUDA_DEVICE bool route_training_row(const Router& r, const training_pa
   const int lane = W::lane();
   const int E = p.num_experts;
   const int k = r.top_k;
+  if (is_padding<W>(p.token_mask, token)) {
+    write_padding<W>(p.indices, p.gates, token, k);
+    if constexpr (Router::has_penalties) {
+      constexpr int columns = traits::scalar_penalties;
+      if (p.on.any() && lane == 0)  // the value region is not zeroed by the launch
+        for (int c = 0; c < columns; ++c) p.token_values[token * columns + c] = 0.0;
+    }
+    return false;
+  }
   const T* z = p.logits + token * E;
   const float* b;
   float beta;
@@ -255,14 +305,17 @@ MOE_ROUTE_CUDA_DEVICE bool route_training_row(const Router& r, const training_pa
   if constexpr (row_softmax) softmax_stats<W, G>(z, b, beta, biased, E, row_max, row_sum);
 
   int my_expert = 0;
-  if constexpr (S::shape == selection::kind::fixed) {
+  const bool replayed = p.replay_indices != nullptr;  // warp-uniform
+  if (replayed) {
+    my_expert = replayed_expert<W>(p.replay_indices, token, k, E);
+  } else if constexpr (S::shape == selection::kind::fixed) {
     if (action == prior_action::override) {
       // falls through to the keyed top-K below
     } else if (lane < k) {
       my_expert = S::expert(token, lane, k, E);
     }
   }
-  const bool keyed = S::shape != selection::kind::fixed || action == prior_action::override;
+  const bool keyed = !replayed && (S::shape != selection::kind::fixed || action == prior_action::override);
   if (keyed) {
     W::sync();  // the previous token has read its keys
     for (int e = lane; e < E; e += warp_threads) {
@@ -287,17 +340,7 @@ MOE_ROUTE_CUDA_DEVICE bool route_training_row(const Router& r, const training_pa
       }
     }
     W::sync();
-    std::uint64_t local = 0;
-    for (int e = lane; e < E; e += warp_threads) local = keys[e] > local ? keys[e] : local;
-    for (int round = 0; round < k; ++round) {
-      const std::uint64_t best = warp_max_key<W>(local);
-      if (lane == round) my_expert = num::packed_expert(best);
-      local = 0;
-      for (int e = lane; e < E; e += warp_threads) {
-        const std::uint64_t key = keys[e];
-        if (key < best && key > local) local = key;
-      }
-    }
+    my_expert = shared_top_k<W>(keys, E, k);
   }
 
   // Gate weights: from the selection row, or from z (select-only and override).
@@ -305,8 +348,8 @@ MOE_ROUTE_CUDA_DEVICE bool route_training_row(const Router& r, const training_pa
   float gate_max = row_max, gate_sum = row_sum;
   if constexpr (row_softmax)
     if (gates_from_z) softmax_stats<W, G>(z, b, 0.0f, false, E, gate_max, gate_sum);
-  float mine = 0.0f;
-  if (lane < k) {
+  float mine = absent_score<G>();
+  if (lane < k && my_expert >= 0) {
     const float v = num::sanitize(selection_logit<W>(z, b, beta, biased && !gates_from_z, my_expert));
     mine = score_of<G>(v, gate_max, gate_sum);
   }
@@ -328,6 +371,7 @@ MOE_ROUTE_CUDA_DEVICE bool route_training_row(const Router& r, const training_pa
       if (row.valid) {
         if (lane == 0) W::atomic_add(tokens + 0, std::int64_t{1});
         if (traits::distribution_space && p.on.distribution) {
+          const int counted = counted_expert<W>(p, z, my_expert, k, keys);
           const std::int32_t q = p.sequences ? p.sequence_ids[token] : -1;
           const bool in_sequence = p.sequences && q >= 0 && q < p.num_sequences;
           for (int e = lane; e < E; e += warp_threads) {
@@ -335,11 +379,11 @@ MOE_ROUTE_CUDA_DEVICE bool route_training_row(const Router& r, const training_pa
             sums[e] += fixed;
             if (in_sequence) W::atomic_add(p.sequence_sums + static_cast<std::int64_t>(q) * E + e, fixed);
           }
-          if (lane < k) {
+          if (lane < k && counted >= 0) {
             if (in_sequence)
-              W::atomic_add(p.sequence_counts + static_cast<std::int64_t>(q) * E + my_expert, std::int64_t{1});
+              W::atomic_add(p.sequence_counts + static_cast<std::int64_t>(q) * E + counted, std::int64_t{1});
             else if (p.counting)
-              W::atomic_add(counts + my_expert, 1);
+              W::atomic_add(counts + counted, 1);
           }
           if (in_sequence && lane == 0) W::atomic_add(p.sequence_tokens + q, std::int64_t{1});
         }
@@ -471,6 +515,10 @@ MOE_ROUTE_CUDA_DEVICE void backward_training_row(const Router& r, const training
   constexpr bool row_softmax = G::shape == gating::kind::row_softmax;
   const int lane = W::lane();
   const int E = p.num_experts;
+  if (is_padding<W>(p.token_mask, token)) {
+    zero_row<W>(p.grad_logits + token * E, E);
+    return;
+  }
   const T* z = p.logits + token * E;
   const float* b;
   float beta;
@@ -558,6 +606,8 @@ training_params<S> make_training_params(const Router& r, const route_inputs<T>& 
   p.logits = logits;
   p.num_tokens = in.num_tokens;
   p.num_experts = in.num_experts;
+  p.token_mask = in.token_mask;
+  p.replay_indices = in.replay_indices;
   p.expert_bias = in.expert_bias;
   p.groups = make_group_layout(r, in.num_experts);
   p.prior_bias = in.prior_bias;
@@ -566,8 +616,10 @@ training_params<S> make_training_params(const Router& r, const route_inputs<T>& 
   p.token_prior_row = in.mode == mode::train ? in.token_prior_row : nullptr;  // eval: no prior
   p.on = on;
   p.sequences = penalty::over_sequences(r);
-  if constexpr (Router::template has<penalty::load_balance>)
+  if constexpr (Router::template has<penalty::load_balance>) {
     p.counting = get<penalty::load_balance>(r).over == penalty::load_balance::scope::batch;
+    p.count_top_k = get<penalty::load_balance>(r).counts == penalty::load_balance::count::top_k;
+  }
   p.sequence_ids = in.sequence_ids;
   p.num_sequences = in.num_sequences;
   if (ws != nullptr) {

@@ -52,6 +52,7 @@ void launch_expert_choice(const Exec& ex, const selection::expert_choice& p, con
   prm.group_ids = in.group_ids;
   prm.num_groups = in.num_groups;
   prm.capacity = in.capacity;
+  prm.token_mask = in.token_mask;
   prm.top_k = p.top_k;
   prm.capacity_factor = p.capacity_factor;
   prm.min_capacity = p.min_capacity;
@@ -61,7 +62,7 @@ void launch_expert_choice(const Exec& ex, const selection::expert_choice& p, con
   prm.chosen = l.chosen;
   ranking& rank = l.rank;
 
-  group_sizes(ex, in.group_ids, n_tokens, in.num_groups, l.group_tokens);
+  group_sizes(ex, in.group_ids, in.token_mask, n_tokens, in.num_groups, l.group_tokens);
   ex.fill(l.chosen, 0, static_cast<std::size_t>(n_tokens) * in.num_experts, "chosen");
   ex.for_each_warp(n_tokens, 0, ec_stats_agent<S>{prm}, "expert_choice stats");
   ex.for_each(rank.n, ec_items_step<S>{prm, rank.keys[0], rank.items[0], rank.segs[0]}, "expert_choice items");
@@ -71,14 +72,16 @@ void launch_expert_choice(const Exec& ex, const selection::expert_choice& p, con
                    "expert_choice outputs");
   if (out.report != nullptr)
     ex.for_each_warp(token_warps(n_tokens), 0,
-                     ec_report_agent{out.indices, in.group_ids, n_tokens, in.num_experts, in.num_groups, out.report},
+                     ec_report_agent{out.indices, in.group_ids, in.token_mask, n_tokens, in.num_experts, in.num_groups,
+                                     out.report},
                      "expert_choice report");
 }
 
 template <class Exec, class S>
 void launch_expert_choice_backward(const Exec& ex, const expert_choice_inputs<S>& in, const std::int32_t* indices,
                                    const float* grad_gates, float* grad_logits) {
-  ex.for_each_warp(in.num_tokens, 0, ec_backward_agent<S>{in.logits, in.num_experts, indices, grad_gates, grad_logits},
+  ex.for_each_warp(in.num_tokens, 0,
+                   ec_backward_agent<S>{in.logits, in.num_experts, in.token_mask, indices, grad_gates, grad_logits},
                    "expert_choice_backward");
 }
 

@@ -53,11 +53,13 @@ const storage_t<T>* storage_pointer(const T* p) {
 template <class T>
 admission_inputs<storage_t<T>> storage_inputs(const admission_inputs<T>& in) {
   return {storage_pointer(in.logits), in.num_tokens,   in.num_experts, in.routed_indices, in.routed_gates,
-          in.hidden_norms,            in.weight_norms, in.group_ids,   in.num_groups,     in.capacity};
+          in.hidden_norms,            in.weight_norms, in.group_ids,   in.num_groups,     in.capacity,
+          in.token_mask};
 }
 template <class T>
 expert_choice_inputs<storage_t<T>> storage_inputs(const expert_choice_inputs<T>& in) {
-  return {storage_pointer(in.logits), in.num_tokens, in.num_experts, in.group_ids, in.num_groups, in.capacity};
+  return {storage_pointer(in.logits), in.num_tokens, in.num_experts, in.group_ids,
+          in.num_groups,              in.capacity,   in.token_mask};
 }
 
 }  // namespace detail

@@ -61,6 +61,7 @@ struct cuda_warp {
   // Read-only loads (the inputs are never written during a call).
   __device__ __forceinline__ static float load(const float* p) { return __ldg(p); }
   __device__ __forceinline__ static std::int32_t load(const std::int32_t* p) { return __ldg(p); }
+  __device__ __forceinline__ static std::uint8_t load(const std::uint8_t* p) { return __ldg(p); }
   __device__ __forceinline__ static bfloat16 load(const bfloat16* p) {
     return bfloat16{__ldg(reinterpret_cast<const unsigned short*>(p))};
   }
