@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include "warp_emulator.hpp"
+#include "token_masks.hpp"
 #include <moe_route/backend/cuda/detail/agent_backward.cuh>
 #include <moe_route/backend/cuda/detail/agent_route.cuh>
 #include <moe_route/backend/cuda/detail/tuning.cuh>
@@ -268,18 +269,8 @@ void invalid_index_check() {
   }
 }
 
-// Which tokens a mask case pads: some (every third and every fifth from 4),
-// every one, or none. Valid tokens get different nonzero bytes.
-enum class padding { some, all, none };
-
-std::vector<std::uint8_t> make_mask(std::int64_t N, padding kind) {
-  std::vector<std::uint8_t> mask(N);
-  for (std::int64_t t = 0; t < N; ++t) {
-    const bool pad = kind == padding::all || (kind == padding::some && (t % 3 == 1 || t % 5 == 4));
-    mask[t] = pad ? 0 : static_cast<std::uint8_t>(1 + (t * 37) % 255);
-  }
-  return mask;
-}
+using emu::padding;
+using emu::make_mask;
 
 // Route and backward with a token mask, emulated against the CPU backend.
 // Padding rows hold NaN, inf and huge logits, out-of-range indices and NaN

@@ -13,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "token_masks.hpp"
 #include "warp_emulator.hpp"
 #include <moe_route/backend/cuda/detail/agent_expert_choice.cuh>
 #include <moe_route/backend/cuda/detail/agent_prior.cuh>
@@ -26,8 +27,7 @@ namespace pri = moe_route::prior;
 
 namespace {
 
-// The token mask of a batch: none given, or some, every or no token padding.
-enum class padding { unmasked, some, all, none };
+using emu::padding;
 
 struct batch {
   std::int64_t N;
@@ -63,14 +63,11 @@ struct batch {
     load_fractions.assign(E, 1.0f / E);
     expert_rank.resize(E);
     for (int x = 0; x < E; ++x) expert_rank[x] = x % 3;
-    if (kind == padding::unmasked) return;
-    // Padding rows hold what no call may read: NaN and inf logits, a prior
-    // row and a sequence id out of range.
-    mask.resize(N);
-    for (std::int64_t t = 0; t < N; ++t) {
-      const bool pad = kind == padding::all || (kind == padding::some && (t % 3 == 1 || t % 5 == 4));
-      mask[t] = pad ? 0 : static_cast<std::uint8_t>(1 + (t * 37) % 255);
-      if (!pad) continue;
+    mask = emu::make_mask(N, kind);
+    for (std::int64_t t = 0; t < static_cast<std::int64_t>(mask.size()); ++t) {
+      if (mask[t] != 0) continue;
+      // Padding rows hold what no call may read: NaN and inf logits, a prior
+      // row and a sequence id out of range.
       for (int x = 0; x < E; ++x)
         z[t * E + x] = x % 2 ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
       rows[t] = 1 << 30;

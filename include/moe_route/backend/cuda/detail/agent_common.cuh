@@ -214,6 +214,28 @@ MOE_ROUTE_CUDA_DEVICE std::uint32_t kept_groups(const group_layout& gl, const la
   return kept;
 }
 
+// Lane j < K's expert of the K largest packed keys in the warp's shared
+// `keys` [E]: round j takes the warp's largest remaining key; every key at or
+// above it has been taken, so the next round looks below it. Each lane reads
+// only its own experts' keys.
+template <class W>
+MOE_ROUTE_CUDA_DEVICE int shared_top_k(const std::uint64_t* keys, int E, int k) {
+  const int lane = W::lane();
+  int mine = 0;
+  std::uint64_t local = 0;
+  for (int e = lane; e < E; e += warp_threads) local = keys[e] > local ? keys[e] : local;
+  for (int round = 0; round < k; ++round) {
+    const std::uint64_t best = warp_max_key<W>(local);
+    if (lane == round) mine = num::packed_expert(best);
+    local = 0;
+    for (int e = lane; e < E; e += warp_threads) {
+      const std::uint64_t key = keys[e];
+      if (key < best && key > local) local = key;
+    }
+  }
+  return mine;
+}
+
 // Gate weights and outputs of one token (route_row's epilogue). Lane j < K
 // holds the j-th selected expert; it recomputes that expert's score from the
 // logit with the same functions that built the keys (identical bits), the

@@ -229,18 +229,7 @@ MOE_ROUTE_CUDA_DEVICE std::int64_t route_rows_general(const Router& r, const rou
         }
       }
 
-      // Top-K over the lane's own keys, as in the bucket path.
-      std::uint64_t local = 0;
-      for (int e = lane; e < E; e += warp_threads) local = shared_keys[e] > local ? shared_keys[e] : local;
-      for (int round = 0; round < k; ++round) {
-        const std::uint64_t best = warp_max_key<W>(local);
-        if (lane == round) my_expert = num::packed_expert(best);
-        local = 0;
-        for (int e = lane; e < E; e += warp_threads) {
-          const std::uint64_t key = shared_keys[e];
-          if (key < best && key > local) local = key;
-        }
-      }
+      my_expert = shared_top_k<W>(shared_keys, E, k);
     }
 
     write_selection<W>(r, p, token, z, my_expert, row_max, row_sum);

@@ -233,26 +233,6 @@ struct warp_penalty_row {
   }
 };
 
-// Lane j < K's expert of the K largest packed keys in the warp's shared
-// `keys` [E] (K rounds of a warp-wide maximum).
-template <class W>
-MOE_ROUTE_CUDA_DEVICE int shared_top_k(const std::uint64_t* keys, int E, int k) {
-  const int lane = W::lane();
-  int mine = 0;
-  std::uint64_t local = 0;
-  for (int e = lane; e < E; e += warp_threads) local = keys[e] > local ? keys[e] : local;
-  for (int round = 0; round < k; ++round) {
-    const std::uint64_t best = warp_max_key<W>(local);
-    if (lane == round) mine = num::packed_expert(best);
-    local = 0;
-    for (int e = lane; e < E; e += warp_threads) {
-      const std::uint64_t key = keys[e];
-      if (key < best && key > local) local = key;
-    }
-  }
-  return mine;
-}
-
 // The expert lane j < K's load-balance counts take (docs/policies.md §5.2):
 // its routed one, or under load_balance::count::top_k the j-th largest
 // unbiased logit, ties to the lower expert (over the warp's shared `keys`).
