@@ -4,7 +4,9 @@
 // workspace, for N = 16384 fp32 tokens, of the routers
 //   plain, rpb (prior::log_prior_bias, beta 1), each penalty alone
 //   (load_balance scope::batch 1e-3, z_loss 1e-3, kl_to_base 1e-2, logit_l2 1e-2,
-//   locality 1e-2) and all combined (rpb + the five penalties),
+//   locality 1e-2), load_balance_top_k (load_balance with count::top_k: f from
+//   a second top-K of the unbiased logits, Megatron's aux-loss counts) and all
+//   combined (rpb + the five penalties),
 // on top of the bases of cpu_router_bench.cpp:
 //   softmax_topk/E64_K6   DeepSeek-V2-Lite (softmax top-6 of 64, no normalisation)
 //   sigmoid_bias/E64_K6   Moonlight (sigmoid + expert bias top-6 of 64, normalised, x2.446)
@@ -74,15 +76,17 @@ constexpr std::uint32_t seed = 20261201;
 constexpr float beta = 1.0f, alpha = 1e-3f, z_coef = 1e-3f, kl_coef = 1e-2f, l2_coef = 1e-2f, loc_coef = 1e-2f,
                 loc_eps = 1e-3f;
 
-enum class variant { plain, rpb, load_balance, z_loss, kl_to_base, logit_l2, locality, all };
-constexpr variant variants[] = {variant::plain,    variant::rpb,      variant::load_balance, variant::z_loss,
-                                variant::kl_to_base, variant::logit_l2, variant::locality,     variant::all};
+enum class variant { plain, rpb, load_balance, load_balance_top_k, z_loss, kl_to_base, logit_l2, locality, all };
+constexpr variant variants[] = {variant::plain,      variant::rpb,        variant::load_balance,
+                                variant::load_balance_top_k, variant::z_loss, variant::kl_to_base,
+                                variant::logit_l2,   variant::locality,   variant::all};
 
 const char* variant_name(variant v) {
   switch (v) {
     case variant::plain: return "plain";
     case variant::rpb: return "rpb";
     case variant::load_balance: return "load_balance";
+    case variant::load_balance_top_k: return "load_balance_top_k";
     case variant::z_loss: return "z_loss";
     case variant::kl_to_base: return "kl_to_base";
     case variant::logit_l2: return "logit_l2";
@@ -99,6 +103,8 @@ void with_variant(const Base& base, variant v, bool zero, F&& fn) {
   const float z0 = zero ? 0.0f : 1.0f;
   const mr::prior::log_prior_bias rpb{beta * z0};
   const mr::penalty::load_balance lb{alpha * z0};
+  const mr::penalty::load_balance lb_top_k{alpha * z0, mr::penalty::load_balance::scope::batch,
+                                           mr::penalty::load_balance::count::top_k};
   const mr::penalty::z_loss zl{z_coef * z0};
   const mr::penalty::kl_to_base kl{kl_coef * z0};
   const mr::penalty::logit_l2 l2{l2_coef * z0};
@@ -107,6 +113,7 @@ void with_variant(const Base& base, variant v, bool zero, F&& fn) {
     case variant::plain: fn(mr::with_policies(base)); return;
     case variant::rpb: fn(mr::with_policies(base, rpb)); return;
     case variant::load_balance: fn(mr::with_policies(base, lb)); return;
+    case variant::load_balance_top_k: fn(mr::with_policies(base, lb_top_k)); return;
     case variant::z_loss: fn(mr::with_policies(base, zl)); return;
     case variant::kl_to_base: fn(mr::with_policies(base, kl)); return;
     case variant::logit_l2: fn(mr::with_policies(base, l2)); return;
@@ -245,7 +252,8 @@ moe_route_bench::torch_training& torch_for(const shape& s, variant v) {
     spec.rank = 0;
     const bool every = v == variant::all;
     if (every || v == variant::rpb) spec.beta = beta;
-    if (every || v == variant::load_balance) spec.load_balance = alpha;
+    if (every || v == variant::load_balance || v == variant::load_balance_top_k) spec.load_balance = alpha;
+    spec.load_balance_top_k = v == variant::load_balance_top_k;
     if (every || v == variant::z_loss) spec.z_loss = z_coef;
     if (every || v == variant::kl_to_base) spec.kl_to_base = kl_coef;
     if (every || v == variant::logit_l2) spec.logit_l2 = l2_coef;

@@ -176,8 +176,11 @@ void torch_training::step() {
   const double N = static_cast<double>(sp.num_tokens), E = sp.num_experts;
   m.values.clear();
   torch::Tensor loss = (m.grad_gates * w).sum();
-  if (sp.load_balance != 0.0f) {  // alpha E sum_e f_e P_e, f from the selection (no gradient)
-    const torch::Tensor f = torch::bincount(idx.reshape({-1}), {}, sp.num_experts).to(torch::kFloat32) / (N * sp.top_k);
+  if (sp.load_balance != 0.0f) {  // alpha E sum_e f_e P_e, f from the selection or the top-K of z (no gradient)
+    const torch::Tensor counted =
+        sp.load_balance_top_k ? std::get<1>(torch::topk(z.detach(), sp.top_k, -1, true, true)) : idx;
+    const torch::Tensor f =
+        torch::bincount(counted.reshape({-1}), {}, sp.num_experts).to(torch::kFloat32) / (N * sp.top_k);
     m.values.push_back(sp.load_balance * E * (f * p.mean(0)).sum());
   }
   if (sp.z_loss != 0.0f) m.values.push_back(sp.z_loss * torch::logsumexp(z, -1).square().mean());

@@ -77,6 +77,7 @@ struct torch_training_spec {
   // 0 = off (not in the composition).
   float beta = 0.0f;           // log_prior_bias (bias_gates = true)
   float load_balance = 0.0f;   // scope::batch
+  bool load_balance_top_k = false;  // f counts the top-K of z (count::top_k), not the selection
   float z_loss = 0.0f;
   float kl_to_base = 0.0f;
   float logit_l2 = 0.0f;

@@ -90,12 +90,10 @@ def _load_balance(m: Dict[str, Any], biased_or_grouped: bool) -> Dict[str, Any]:
     kind, coeff = active[0]
     if kind == "global_aux_loss":  # the loads come from GlobalLoadBalance, a plain top-k as Megatron's
         return {"load_balance": coeff, "load_balance_scope": "global_batch"}
-    if biased_or_grouped:
-        _refuse("moe_aux_loss_coeff", coeff,
-                "with an expert bias or group-limited routing Megatron counts its aux loss's loads on a plain top-k "
-                "of the unbiased scores, the library on the experts it selects (global_aux_loss, whose loads "
-                "GlobalLoadBalance counts, is reproduced)")
-    return {"load_balance": coeff, "load_balance_scope": "batch" if kind == "aux_loss" else "sequence"}
+    f = {"load_balance": coeff, "load_balance_scope": "batch" if kind == "aux_loss" else "sequence"}
+    if biased_or_grouped:  # Megatron counts the loads on a plain top-k of the unbiased scores
+        f["load_balance_counts"] = "top_k"
+    return f
 
 
 def router_fields(m: Dict[str, Any]) -> Dict[str, Any]:
@@ -146,8 +144,6 @@ def admission_preset(m: Dict[str, Any]):
     factor = m["moe_expert_capacity_factor"]
     if factor is None:
         return None
-    if m["moe_pad_expert_input_to_capacity"]:
-        _refuse("moe_pad_expert_input_to_capacity", True, "padding each expert to its capacity is not done yet")
     policy = m["moe_token_drop_policy"]
     if policy == "position":
         # Megatron documents it as dropping the tokens at the end of the batch, which

@@ -78,18 +78,21 @@ def _admit_fake(logits, config, admission, routed_indices, routed_gates, hidden_
             _empty((n, k), torch.int8, logits), _empty((len(ADMISSION_REPORT),), torch.int64, logits))
 
 
-def dispatch_rows_bound(num_tokens, slots_per_token, num_experts, align):
-    """Rows of the expert-major buffer for any routing of these shapes (admission/dispatch.hpp)."""
+def dispatch_rows_bound(num_tokens, slots_per_token, num_experts, align, capacity=0):
+    """Rows of the expert-major buffer for any routing of these shapes (admission/dispatch.hpp):
+    exactly E blocks of the capacity rounded up to align under a fixed capacity."""
+    if capacity > 0:
+        return num_experts * ((capacity + align - 1) // align * align)
     return num_tokens * slots_per_token + num_experts * (align - 1)
 
 
 @torch.library.register_fake("moe_route::dispatch")
-def _dispatch_fake(indices, num_experts, align, num_ranks, expert_rank):
+def _dispatch_fake(indices, num_experts, align, num_ranks, expert_rank, capacity=0):
     _on_device_of(indices, "indices", expert_rank=expert_rank)
     n, s = indices.shape
     i64 = lambda *shape: _empty(shape, torch.int64, indices)  # noqa: E731
-    return (i64(num_experts), i64(num_experts + 1), i64(dispatch_rows_bound(n, s, num_experts, align)), i64(n * s),
-            i64(num_ranks))
+    rows = dispatch_rows_bound(n, s, num_experts, align, capacity)
+    return i64(num_experts), i64(num_experts + 1), i64(rows), i64(n * s), i64(num_ranks)
 
 
 @torch.library.register_fake("moe_route::expert_choice")

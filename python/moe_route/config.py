@@ -86,6 +86,9 @@ class RouterConfig(_Fields):
     # penalties
     load_balance: float = 0.0
     load_balance_scope: str = "batch"
+    # the experts the load-balance loads f count: "selected" (those routed) or
+    # "top_k" (each token's K largest unbiased logits, as Megatron-Core counts)
+    load_balance_counts: str = "selected"
     z_loss: float = 0.0
     kl_to_base: float = 0.0
     logit_l2: float = 0.0
@@ -167,6 +170,13 @@ class Admission(_Fields):
     def renormalizes(self) -> bool:
         return not self.is_dropless and self.overflow == "drop" and self.renormalize
 
+    def capacity(self, num_tokens: int, top_k: int, num_experts: int) -> int:
+        """C = max(min_capacity, ceil(num_tokens * top_k / num_experts * capacity_factor)),
+        each expert's capacity for one group of num_tokens tokens: the size of the
+        fixed dispatch layout (route(..., dispatch_capacity=C), Megatron's
+        moe_pad_expert_input_to_capacity)."""
+        return _C.admission_capacity(self.to_text(), int(num_tokens), int(top_k), int(num_experts))
+
     @classmethod
     def _preset(cls, name: str, capacity_factor: float = 1.0, fill_factor: float = 4.0, tau=None, **fields):
         """A preset of the C++ table (include/moe_route/adapters/detail/config_text.hpp), fields overridden."""
@@ -178,7 +188,10 @@ class Admission(_Fields):
     def from_megatron(cls, config=None, **fields) -> "Admission":
         """Megatron-Core's token dropping (moe_expert_capacity_factor,
         moe_token_drop_policy) as an Admission; dropless() when it drops
-        nothing. Takes what RouterConfig.from_megatron takes."""
+        nothing. Takes what RouterConfig.from_megatron takes. Under
+        moe_pad_expert_input_to_capacity the admission is the same; pass
+        route(..., dispatch_capacity=admission.capacity(N, K, E)) for its
+        fixed expert shapes (docs/integration.md)."""
         m = _megatron.fields_of(config, fields)
         _megatron.router_fields(m)  # the same refusals as the router's
         preset = _megatron.admission_preset(m)

@@ -43,7 +43,8 @@ class Dispatch:
     """Where each admitted assignment goes (docs/admission.md §5): expert e owns rows
     [offsets[e], offsets[e+1]) of the expert-major buffer; permutation maps a row
     to its slot id t*S + j (-1 = padding, and every row from offsets[E] on: its
-    length is the bound N*S + E*(align - 1), so no count is read back); inverse
+    length is the bound N*S + E*(align - 1), so no count is read back; with a
+    fixed capacity C every expert owns ceil(C / align) * align rows); inverse
     maps a slot to its row (-1 = not executed); rank_counts are the assignments
     sent to each expert-parallel rank."""
 
@@ -60,9 +61,13 @@ class Dispatch:
 
 
 def dispatch(indices: Tensor, num_experts: int, *, align: int = 1, num_ranks: int = 1,
-             expert_rank: Optional[Tensor] = None) -> Dispatch:
-    """Dispatch metadata for indices [N, S] (-1 = not executed)."""
-    return Dispatch(*ops.dispatch(indices, int(num_experts), int(align), int(num_ranks), expert_rank))
+             expert_rank: Optional[Tensor] = None, capacity: int = 0) -> Dispatch:
+    """Dispatch metadata for indices [N, S] (-1 = not executed). capacity C > 0
+    gives the fixed layout of Megatron's moe_pad_expert_input_to_capacity: E
+    blocks of C rows (rounded up to align), an expert's unused rows -1; an
+    expert with more than C slots is an error on the CPU, and on a GPU keeps
+    its first C (docs/admission.md)."""
+    return Dispatch(*ops.dispatch(indices, int(num_experts), int(align), int(num_ranks), expert_rank, int(capacity)))
 
 
 def _report(counts: Tensor, names) -> dict:
@@ -115,7 +120,7 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
           hidden_norms: Optional[Tensor] = None, weight_norms: Optional[Tensor] = None,
           capacity: Optional[Tensor] = None,
           token_mask: Optional[Tensor] = None, replay_indices: Optional[Tensor] = None,
-          dispatch_align: int = 1, num_ranks: Optional[int] = None,
+          dispatch_align: int = 1, dispatch_capacity: int = 0, num_ranks: Optional[int] = None,
           threads: Optional[int] = None) -> RouteResult:
     """Route logits [N, E] with `config`; optionally admit with `admission`
     (torch.ops.moe_route.route, then torch.ops.moe_route.dispatch).
@@ -131,7 +136,9 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
     (docs/policies.md, "Token mask"). replay_indices [N, K] int32 are experts
     chosen elsewhere (an inference engine's, for RL on its routing): the call
     routes to them instead of selecting, with gates, penalties, admission and
-    gradients as for its own choice (docs/policies.md §2.9).
+    gradients as for its own choice (docs/policies.md §2.9). dispatch_capacity
+    C > 0 lays the dispatch out in E blocks of C rows (dispatch(), and
+    Admission.capacity for the C of a capacity admission).
     """
     if not isinstance(config, RouterConfig):
         raise TypeError(f"moe_route: config must be a RouterConfig, got {type(config).__name__}")
@@ -155,7 +162,8 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
         token_mask, replay_indices, _threads(threads))
     if num_ranks is None:
         num_ranks = int(expert_rank.max().item()) + 1 if expert_rank is not None and expert_rank.numel() else 1
-    meta = dispatch(indices, z.shape[1], align=dispatch_align, num_ranks=num_ranks, expert_rank=expert_rank)
+    meta = dispatch(indices, z.shape[1], align=dispatch_align, num_ranks=num_ranks, expert_rank=expert_rank,
+                    capacity=dispatch_capacity)
     if not admitting:  # the operator returns the routing once: [0, K] in its routed_* outputs
         routed_indices, routed_gates = indices, gates.detach()
     return RouteResult(indices, gates, routed_indices, routed_gates, status if admitting else None, values, meta,

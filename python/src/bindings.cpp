@@ -174,10 +174,10 @@ std::tuple<tensor, tensor, tensor, tensor> admit(const tensor& logits, c10::stri
 
 std::tuple<tensor, tensor, tensor, tensor, tensor> dispatch(const tensor& indices, std::int64_t num_experts,
                                                             std::int64_t align, std::int64_t num_ranks,
-                                                            const optional_tensor& expert_rank) {
+                                                            const optional_tensor& expert_rank, std::int64_t capacity) {
   const ad::dispatch_result r = ad::dispatch(indices, ad::detail::int_of(num_experts, "num_experts"),
                                              ad::detail::int_of(align, "align"),
-                                             ad::detail::int_of(num_ranks, "num_ranks"), expert_rank);
+                                             ad::detail::int_of(num_ranks, "num_ranks"), expert_rank, capacity);
   return {r.counts, r.offsets, r.permutation, r.inverse, r.rank_counts};
 }
 
@@ -452,6 +452,22 @@ py::tuple admission_flags(const std::string& admission) {
   return py::make_tuple(!a.dropless, rt::renormalizes(a));
 }
 
+// C of a capacity admission text for tokens x top_k assignments over
+// num_experts (admission::capacity_from_factor), the size of a fixed dispatch
+// layout (dispatch(..., capacity)).
+std::int64_t admission_capacity(const std::string& admission, std::int64_t tokens, std::int64_t top_k,
+                                std::int64_t num_experts) {
+  return parsed([&] {
+    const rt::admission_config a = admission_config_of(admission);
+    if (a.dropless) ad::detail::value_error("dropless admission has no capacity");
+    if (tokens < 0) ad::detail::value_error("num_tokens must be >= 0, got " + std::to_string(tokens));
+    const int k = ad::detail::int_of(top_k, "top_k");
+    const int e = ad::detail::int_of(num_experts, "num_experts");
+    if (k < 1 || e < 1) ad::detail::value_error("top_k and num_experts must be >= 1");
+    return moe_route::admission::capacity_from_factor(a.capacity_factor, a.min_capacity, tokens, k, e);
+  });
+}
+
 // The benchmark's peer (python/bench/bench_overhead.py): seconds per call of
 // runtime::route on these CPU logits with outputs allocated once, the direct
 // C++ call the operator path is measured against.
@@ -504,7 +520,7 @@ TORCH_LIBRARY(moe_route, m) {
       "Tensor? hidden_norms, Tensor? weight_norms, Tensor? group_ids, int num_groups, Tensor? capacity, "
       "Tensor? token_mask, int threads) -> (Tensor indices, Tensor gates, Tensor status, Tensor report)");
   m.def(
-      "dispatch(Tensor indices, int num_experts, int align, int num_ranks, Tensor? expert_rank) -> "
+      "dispatch(Tensor indices, int num_experts, int align, int num_ranks, Tensor? expert_rank, int capacity=0) -> "
       "(Tensor counts, Tensor offsets, Tensor permutation, Tensor inverse, Tensor rank_counts)");
   m.def(
       "expert_choice(Tensor logits, int top_k, float capacity_factor, int min_capacity, Tensor? group_ids, "
@@ -563,5 +579,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("route_shape", &route_shape);
   m.def("admission_flags", &admission_flags);
   m.def("admission_preset", &admission_preset);
+  m.def("admission_capacity", &admission_capacity);
   m.def("direct_route_seconds", &direct_route_seconds);
 }

@@ -195,13 +195,16 @@ def log_distribution(gating: str, z: torch.Tensor) -> torch.Tensor:
 
 def penalties(z: torch.Tensor, indices: torch.Tensor, *, gating: str = "softmax", top_k: int = 2,
               training: bool = True, load_balance: float = 0.0, load_balance_scope: str = "batch",
+              load_balance_counts: str = "selected",
               z_loss: float = 0.0, kl_to_base: float = 0.0, logit_l2: float = 0.0, locality: float = 0.0,
               locality_epsilon: float = 1e-3, prior_bias: Optional[torch.Tensor] = None,
               prior_probs: Optional[torch.Tensor] = None, token_prior_row: Optional[torch.Tensor] = None,
               sequence_ids: Optional[torch.Tensor] = None, num_sequences: Optional[int] = None,
               load_fractions: Optional[torch.Tensor] = None, expert_rank: Optional[torch.Tensor] = None,
               rank: int = 0, **_ignored) -> torch.Tensor:
-    """The five penalty values (load_balance, z_loss, kl_to_base, logit_l2, locality), float64 [5]."""
+    """The five penalty values (load_balance, z_loss, kl_to_base, logit_l2, locality), float64 [5].
+    The loads f count `indices`, or under load_balance_counts="top_k" each token's
+    top_k largest logits (ties to the lower expert)."""
     n, e = z.shape
     zero = torch.zeros((), dtype=F64)
     out = [zero] * 5
@@ -209,6 +212,8 @@ def penalties(z: torch.Tensor, indices: torch.Tensor, *, gating: str = "softmax"
         return torch.stack(out)
     valid = valid_rows(gating, z)
     zv, iv = z[valid], indices[valid].long()
+    if load_balance_counts == "top_k":
+        iv = order_desc(zv.detach())[:, :top_k]
     nv = zv.shape[0]
     rows = torch.full((n,), -1, dtype=torch.long) if token_prior_row is None else token_prior_row.long()
     if nv > 0:
@@ -443,14 +448,17 @@ def admitted_gates(z: torch.Tensor, routed: torch.Tensor, admitted: torch.Tensor
 # Dispatch metadata (docs/admission.md section 5) and expert choice (section 6)
 
 def dispatch(indices: torch.Tensor, num_experts: int, align: int = 1, num_ranks: int = 1,
-             expert_rank: Optional[torch.Tensor] = None):
+             expert_rank: Optional[torch.Tensor] = None, capacity: int = 0):
     """(counts, offsets, permutation, inverse, rank_counts), int64; the permutation
-    has the bound's N*S + E*(align - 1) rows, -1 past the rows used."""
+    has the bound's N*S + E*(align - 1) rows, -1 past the rows used; with a fixed
+    capacity C every expert owns ceil(C / align) * align rows."""
     flat = indices.long().reshape(-1)
     counts = torch.tensor([int((flat == x).sum()) for x in range(num_experts)], dtype=torch.long)
-    padded = (counts + align - 1) // align * align
+    rows_of = torch.full_like(counts, capacity) if capacity > 0 else counts
+    padded = (rows_of + align - 1) // align * align
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(padded, 0)])
-    permutation = torch.full((flat.numel() + num_experts * (align - 1),), -1, dtype=torch.long)
+    bound = int(offsets[-1]) if capacity > 0 else flat.numel() + num_experts * (align - 1)
+    permutation = torch.full((bound,), -1, dtype=torch.long)
     inverse = torch.full((flat.numel(),), -1, dtype=torch.long)
     for x in range(num_experts):
         slots = torch.nonzero(flat == x).reshape(-1)  # ascending slot id = (token, slot) order

@@ -1,6 +1,7 @@
 """Admission (docs/policies.md section 4, docs/admission.md), the dispatch metadata and
 expert choice against the reference: indices, status, gates and dL/dz."""
 
+import math
 
 import pytest
 import torch
@@ -371,6 +372,35 @@ def test_dispatch_matches_reference(align, gen):
         mr.dispatch(idx, e, align=0)
     with pytest.raises(ValueError, match=r"expert_rank\[0\]"):
         mr.dispatch(idx, e, num_ranks=2, expert_rank=torch.full((e,), 2))
+
+
+@pytest.mark.parametrize("align", [1, 4])
+def test_dispatch_with_a_fixed_capacity_matches_reference(align, gen):
+    n, s, e = 40, 3, 12
+    idx = torch.stack([torch.randperm(e, generator=gen)[:s] for _ in range(n)]).int()
+    idx[torch.rand(n, s, generator=gen) < 0.2] = -1
+    most = int(torch.bincount(idx[idx >= 0].long(), minlength=e).max())
+    for capacity in (most, most + 3, 3 * n):
+        got = mr.dispatch(idx, e, align=align, num_ranks=2, capacity=capacity)
+        want = ref.dispatch(idx, e, align, 2, capacity=capacity)
+        for a, b in zip((got.tokens_per_expert, got.offsets, got.permutation, got.inverse, got.rank_counts), want):
+            assert torch.equal(a, b)
+        assert got.permutation.numel() == e * ((capacity + align - 1) // align * align) == int(got.rows)
+    with pytest.raises(ValueError, match=rf"more than capacity \(= {most - 1}\) slots"):
+        mr.dispatch(idx, e, capacity=most - 1)
+    with pytest.raises(ValueError, match="capacity must be >= 0"):
+        mr.dispatch(idx, e, capacity=-1)
+    # The capacity of an admission: the rule's C, which its admitted indices keep within.
+    adm = mr.Admission.capacity_gate(1.0)
+    assert adm.capacity(n, s, e) == math.ceil(n * s / e)
+    assert mr.Admission.capacity_position(0.1, min_capacity=7).capacity(n, s, e) == 7
+    with pytest.raises(ValueError, match="dropless admission has no capacity"):
+        mr.Admission.dropless().capacity(n, s, e)
+    z = randn(n, e, gen=gen)
+    cfg = mr.RouterConfig(top_k=s)
+    res = mr.route(z, cfg, admission=adm, dispatch_capacity=adm.capacity(n, s, e), dispatch_align=align)
+    want = ref.dispatch(res.indices, e, align, 1, capacity=adm.capacity(n, s, e))
+    assert torch.equal(res.dispatch.permutation, want[2]) and torch.equal(res.dispatch.offsets, want[1])
 
 
 # ---------------------------------------------------------------------------

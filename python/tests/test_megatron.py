@@ -122,6 +122,19 @@ CASES = {
                                  moe_router_group_topk=2),
     "seq_aux_loss": dict(moe_router_topk=2, moe_router_pre_softmax=True, moe_router_load_balancing_type="seq_aux_loss",
                          moe_aux_loss_coeff=1e-2),
+    # aux losses whose loads Megatron counts on a plain top-k while the router selects with
+    # a bias or groups (load_balance_counts="top_k"): DeepSeek-V3's sequence-wise loss,
+    # a biased sigmoid with the batch loss, grouped softmax routers
+    "sigmoid_bias_grouped_seq_aux_loss": dict(moe_router_topk=4, moe_router_score_function="sigmoid",
+                                              moe_router_enable_expert_bias=True, moe_router_num_groups=4,
+                                              moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                                              moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2),
+    "sigmoid_bias_aux_loss": dict(moe_router_topk=4, moe_router_score_function="sigmoid",
+                                  moe_router_enable_expert_bias=True, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
+    "softmax_grouped_aux_loss": dict(moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
+                                     moe_aux_loss_coeff=1e-2),
+    "pre_softmax_grouped_aux_loss": dict(moe_router_topk=6, moe_router_pre_softmax=True, moe_router_num_groups=8,
+                                         moe_router_group_topk=3, moe_aux_loss_coeff=1e-2),
     "listed_types": dict(moe_router_topk=2, moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"],
                          moe_aux_loss_coeff=[1e-2, 0.0]),
     "drop_probs": dict(moe_router_topk=2, moe_router_pre_softmax=True, moe_expert_capacity_factor=1.0,
@@ -229,7 +242,8 @@ def test_the_megatron_integration_router_with_a_padding_mask_equals_topkrouter_o
         assert torch.equal(got[4], want[4])
 
 
-@pytest.mark.parametrize("name", ["softmax_after_topk", "pre_softmax_scaled", "sigmoid_bias", "drop_probs"])
+@pytest.mark.parametrize("name", ["softmax_after_topk", "pre_softmax_scaled", "sigmoid_bias", "drop_probs", "seq_aux_loss",
+                                  "sigmoid_bias_grouped_seq_aux_loss"])
 def test_the_megatron_integration_router_records_and_replays_as_topkrouter(name):
     # Megatron's RouterReplay (moe_enable_routing_replay): RECORD keeps the chosen experts,
     # REPLAY_FORWARD routes to given ones; MoERouteTopKRouter does both through route().
@@ -285,8 +299,81 @@ def test_the_megatron_integration_router_refuses_what_from_megatron_refuses():
         build(moe_expert_capacity_factor=1.0).routing(_logits(0), padding_mask=padding)
     with pytest.raises(ValueError, match="padding_mask with seq_aux_loss"):
         build(**CASES["seq_aux_loss"]).routing(_logits(0), padding_mask=padding)
-    with pytest.raises(ValueError, match="Megatron's moe_pad_expert_input_to_capacity=True"):
-        build(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+
+
+PAD_CASES = {
+    "drop_probs": dict(CASES["drop_probs"], moe_pad_expert_input_to_capacity=True),
+    "drop_probs_default_router": dict(CASES["drop_probs_default_router"], moe_pad_expert_input_to_capacity=True),
+    "drop_probs_biased_grouped": dict(CASES["drop_probs_biased_grouped"], moe_pad_expert_input_to_capacity=True),
+    "drop_probs_sigmoid_aux_loss": dict(CASES["drop_probs_sigmoid"], moe_aux_loss_coeff=1e-2,
+                                        moe_pad_expert_input_to_capacity=True),
+    # a capacity above the tokens: Megatron maps every token to every expert
+    "capacity_above_tokens": dict(moe_router_topk=2, moe_expert_capacity_factor=10.0,
+                                  moe_pad_expert_input_to_capacity=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAD_CASES))
+def test_the_megatron_integration_router_pads_to_capacity_as_topkrouter(name):
+    # moe_pad_expert_input_to_capacity: every expert's column of the map holds exactly
+    # min(C, tokens) entries, its admitted tokens and fillers of prob 0. Equal to
+    # Megatron: probs, the admitted entries, the counts, losses, gradient, expert-bias
+    # loads. Megatron's fillers are its topk's pick among equal zeros; the library's
+    # are the lowest-index tokens, the order Megatron's dispatcher fills in.
+    from moe_route.integrations.megatron import MoERouteTopKRouter
+
+    fields = PAD_CASES[name]
+    logits = _logits(8)
+    bias = _bias(8) if fields.get("moe_router_enable_expert_bias") else None
+    upstream = torch.randn(N, E, generator=torch.Generator().manual_seed(14))
+    want = megatron_route(fields, logits, bias, upstream)
+    got = megatron_route(fields, logits, bias, upstream, router_class=MoERouteTopKRouter)
+    admission = mr.Admission.from_megatron(**fields)
+    capacity = admission.capacity(N, fields["moe_router_topk"], E)
+    assert torch.equal(got[1].sum(dim=0), torch.full((E,), min(capacity, N)))
+    assert torch.equal(want[1].sum(dim=0), got[1].sum(dim=0))
+    assert torch.equal(got[1] & (got[0] != 0), want[1] & (want[0] != 0))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
+    assert got[2].keys() == want[2].keys()
+    for key in want[2]:
+        torch.testing.assert_close(got[2][key], want[2][key], rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5 * float(want[3].abs().max()))
+    if bias is not None:
+        assert torch.equal(got[4], want[4])
+    # The fillers: per expert, the lowest-index tokens it did not admit.
+    for e in range(E):
+        fillers = (got[1][:, e] & (got[0][:, e] == 0)).nonzero().flatten()
+        free = ((got[0][:, e] == 0)).nonzero().flatten()
+        assert torch.equal(fillers, free[:fillers.numel()])
+
+
+@pytest.mark.parametrize("name", ["drop_probs", "drop_probs_default_router", "drop_probs_biased_grouped"])
+def test_the_fixed_dispatch_layout_holds_the_tokens_megatrons_padded_permute_puts_first(name):
+    # route(..., dispatch_capacity=C) lays the dispatch out in E blocks of C rows, the
+    # static shapes of Megatron's drop-and-pad dispatcher: each block starts with the
+    # expert's admitted tokens in token order, as Megatron's permute(drop_and_pad=True)
+    # orders them; the rest are empty rows (-1) where Megatron repeats zero-prob tokens.
+    fields = dict(CASES[name], moe_pad_expert_input_to_capacity=True)
+    logits = _logits(9).reshape(N, E)
+    bias = _bias(9) if fields.get("moe_router_enable_expert_bias") else None
+    cfg, admission = mr.RouterConfig.from_megatron(**fields), mr.Admission.from_megatron(**fields)
+    k = cfg.top_k
+    capacity = admission.capacity(N, k, E)
+    res = mr.route(logits, cfg, expert_bias=bias, admission=admission, dispatch_capacity=capacity)
+    layout = res.dispatch
+    assert layout.permutation.shape == (E * capacity,) and int(layout.rows) == E * capacity
+    routing_map = torch.zeros(N, E, dtype=torch.bool).scatter_add(1, res.indices.clamp(min=0).long(),
+                                                                 res.indices >= 0)
+    hidden = torch.arange(N, dtype=torch.float32).unsqueeze(1)
+    _, _, megatron_rows = moe_utils.permute(hidden, routing_map, num_out_tokens=E * capacity, drop_and_pad=True)
+    rows = layout.permutation.view(E, capacity)
+    for e in range(E):
+        count = int(layout.tokens_per_expert[e])
+        assert count == int(routing_map[:, e].sum()) <= capacity
+        assert torch.equal(rows[e, :count] // k, megatron_rows.view(E, capacity)[e, :count])
+        assert bool((rows[e, count:] == -1).all())
+    with pytest.raises(ValueError, match=r"more than capacity \(= 1\) slots"):
+        mr.dispatch(res.indices, E, capacity=1)
 
 
 def test_drop_position_keeps_as_many_tokens_as_megatron_and_the_earliest_as_it_documents():
@@ -418,8 +505,6 @@ def test_global_load_balance_sums_over_ranks_through_the_callers_all_reduce():
 
 
 REFUSED = [
-    (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_aux_loss_coeff=1e-2),
-     "moe_aux_loss_coeff=0.01"),
     (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),
     (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[1e-2, 1e-3]),
      "moe_router_load_balancing_type"),
@@ -432,8 +517,8 @@ REFUSED = [
 ]
 
 REFUSED_ADMISSION = [
-    (dict(moe_router_pre_softmax=True, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
-     "moe_pad_expert_input_to_capacity=True"),
+    (dict(moe_router_pre_softmax=True, moe_expert_capacity_factor=1.0, moe_token_drop_policy="random"),
+     "moe_token_drop_policy='random'"),
 ]
 
 

@@ -91,6 +91,7 @@ def test_opcheck_route_backward_admit_dispatch():
                           (z, cfg.to_text(), admission, routed, routed_gates, None, None, None, 1, None, None, 1))
     for align in (1, 4):
         torch.library.opcheck(ops.dispatch.default, (routed, E, align, 2, None))
+        torch.library.opcheck(ops.dispatch.default, (routed, E, align, 2, None, N * K))  # the fixed layout
 
 
 def test_opcheck_with_token_mask():

@@ -61,6 +61,50 @@ def test_all_penalties_with_a_prior_policy(gating, batch):
     compare_route(cfg, z, expert_bias=randn(E, scale=0.05), **batch)
 
 
+@pytest.mark.parametrize("gating", GATINGS)
+@pytest.mark.parametrize("scope", ["batch", "sequence"])
+@pytest.mark.parametrize("selection", ["expert_bias", "group_limited_bias", "group_limited", "prior"])
+def test_load_balance_counting_the_top_k_of_the_unbiased_logits(gating, scope, selection, batch):
+    # load_balance_counts="top_k" (docs/policies.md section 5.2): f counts each token's K
+    # largest logits while the router selects with a bias, groups or a prior.
+    z = batch.pop("z")
+    if selection in ("expert_bias", "group_limited_bias") and gating == "softmax_after_topk":
+        pytest.skip("softmax_after_topk takes no expert bias")
+    extra = dict(prior="log_prior_bias", prior_beta=2.0) if selection == "prior" else dict(
+        selection=selection, groups=4, top_groups=2, per_group_k=2)
+    bias = randn(E, scale=2.0, gen=torch.Generator().manual_seed(3))
+    cfg = mr.RouterConfig(gating=gating, top_k=4, load_balance=0.5, load_balance_scope=scope,
+                          load_balance_counts="top_k", z_loss=0.01, **extra)
+    counted = compare_route(cfg, z, expert_bias=bias, **batch)
+    cfg.load_balance_counts = "selected"
+    selected = compare_route(cfg, z, expert_bias=bias, **batch)
+    assert torch.equal(counted.indices, selected.indices)  # the count changes no routing
+    assert float(counted.penalty_values[0].detach()) != float(selected.penalty_values[0].detach())
+
+
+def test_load_balance_counting_the_top_k_equals_selected_on_a_plain_router(batch):
+    z = batch.pop("z")
+    cfg = mr.RouterConfig(top_k=3, load_balance=0.5, load_balance_counts="top_k")
+    a = z.clone().requires_grad_(True)
+    counted = mr.route(a, cfg)
+    counted.penalty_values.sum().backward()
+    cfg.load_balance_counts = "selected"
+    b = z.clone().requires_grad_(True)
+    selected = mr.route(b, cfg)
+    selected.penalty_values.sum().backward()
+    assert torch.equal(counted.penalty_values, selected.penalty_values)
+    assert torch.equal(a.grad, b.grad)
+
+
+def test_load_balance_counts_are_checked_by_name(batch):
+    z = batch.pop("z")
+    with pytest.raises(ValueError, match="load_balance_counts = 'top_two' is not one of: selected, top_k"):
+        mr.route(z, mr.RouterConfig(load_balance=0.5, load_balance_counts="top_two"))
+    with pytest.raises(ValueError, match="load_balance.counts"):
+        mr.route(z, mr.RouterConfig(load_balance=0.5, load_balance_scope="global_batch", load_balance_counts="top_k"),
+                 load_fractions=batch["load_fractions"])
+
+
 def test_locality_with_every_expert_local_is_kl_to_uniform(batch):
     z = batch.pop("z")
     batch.update(expert_rank=None, rank=0)

@@ -31,22 +31,23 @@ struct layout {
 };
 
 inline layout run_dispatch(const std::vector<std::int32_t>& idx, std::int64_t N, int S, int E, int align, int R,
-                           const std::int32_t* rank_map = nullptr) {
+                           const std::int32_t* rank_map = nullptr, std::int64_t capacity = 0) {
   layout l;
   l.counts.assign(E, -5);
   l.offsets.assign(E + 1, -5);
-  l.perm.assign(mr::dispatch_rows_bound(N, S, E, align), -5);
+  l.perm.assign(mr::dispatch_rows_bound(N, S, E, align, capacity), -5);
   l.inverse.assign(N * S, -5);
   l.ranks.assign(R, -5);
-  mr::dispatch_inputs in{idx.data(), N, S, E, align, R, rank_map};
+  mr::dispatch_inputs in{idx.data(), N, S, E, align, R, rank_map, capacity};
   l.rows = mr::cpu::dispatch(in, mr::dispatch_outputs{l.counts.data(), l.offsets.data(), l.perm.data(), l.inverse.data(),
                                                        l.ranks.data()});
   return l;
 }
 
-// The reference: for each expert, its slots in increasing slot id.
+// The reference: for each expert, its slots in increasing slot id, in a block
+// of its count (or the fixed capacity) rounded up to align.
 inline void check_layout(const layout& l, const std::vector<std::int32_t>& idx, std::int64_t N, int S, int E, int align,
-                         int R, const std::int32_t* rank_map = nullptr) {
+                         int R, const std::int32_t* rank_map = nullptr, std::int64_t capacity = 0) {
   std::vector<std::vector<std::int64_t>> per(E);
   for (std::int64_t s = 0; s < N * S; ++s)
     if (idx[s] >= 0) per[idx[s]].push_back(s);
@@ -59,7 +60,8 @@ inline void check_layout(const layout& l, const std::vector<std::int32_t>& idx, 
       want_perm[row + i] = per[e][i];
       want_inv[per[e][i]] = row + static_cast<std::int64_t>(i);
     }
-    const std::int64_t padded = (static_cast<std::int64_t>(per[e].size()) + align - 1) / align * align;
+    const std::int64_t block = capacity > 0 ? capacity : static_cast<std::int64_t>(per[e].size());
+    const std::int64_t padded = (block + align - 1) / align * align;
     CHECK(padded % align == 0);
     row += padded;
     want_ranks[rank_map ? rank_map[e] : e / (E / R)] += static_cast<std::int64_t>(per[e].size());
@@ -114,6 +116,44 @@ TEST_CASE("dispatch: counts, padded offsets, permutation, inverse and rank count
   }
 }
 
+TEST_CASE("dispatch with a fixed capacity: every expert owns the same rows, empty ones -1") {
+  std::mt19937 rng(13);
+  for (int E : {1, 7, 16, 33}) {
+    for (int S : {1, 2, 6}) {
+      if (S > E) continue;
+      const std::int64_t N = 61;
+      const auto idx = random_indices(rng, N, S, E, 0.3);
+      std::int64_t most = 0;
+      for (int e = 0; e < E; ++e) most = std::max<std::int64_t>(most, std::count(idx.begin(), idx.end(), e));
+      for (const std::int64_t capacity : {most, most + 1, most + 9, 2 * N})
+        for (int align : {1, 4, 16}) {
+          CAPTURE(E);
+          CAPTURE(S);
+          CAPTURE(capacity);
+          CAPTURE(align);
+          const layout l = run_dispatch(idx, N, S, E, align, 1, nullptr, capacity);
+          check_layout(l, idx, N, S, E, align, 1, nullptr, capacity);
+          const std::int64_t block = (capacity + align - 1) / align * align;
+          CHECK(l.rows == E * block);  // a static shape
+          CHECK(static_cast<std::int64_t>(l.perm.size()) == E * block);
+        }
+      // More slots for one expert than the capacity: rejected, nothing written.
+      if (most > 0) {
+        std::vector<std::int64_t> counts(E, -5), offsets(E + 1, -5);
+        const std::string message = "more than capacity (= " + std::to_string(most - 1) + ") slots";
+        CHECK_THROWS_WITH_AS(mr::cpu::dispatch(mr::dispatch_inputs{idx.data(), N, S, E, 1, 1, nullptr, most - 1},
+                                               mr::dispatch_outputs{counts.data(), offsets.data()}),
+                             doctest::Contains(message.c_str()), mr::error);
+        CHECK(std::all_of(counts.begin(), counts.end(), [](std::int64_t c) { return c == -5; }));
+      }
+    }
+  }
+  // N = 0: E blocks of empty rows.
+  const layout empty = run_dispatch({}, 0, 2, 4, 1, 1, nullptr, 3);
+  CHECK(empty.rows == 12);
+  CHECK(std::all_of(empty.perm.begin(), empty.perm.end(), [](std::int64_t r) { return r == -1; }));
+}
+
 TEST_CASE("dispatch: N = 0, everything dropped, optional outputs") {
   const std::vector<std::int32_t> none;
   const layout empty = run_dispatch(none, 0, 4, 8, 16, 2);
@@ -150,6 +190,7 @@ TEST_CASE("dispatch: argument errors") {
     }
   };
   expect({idx.data(), 2, 2, 4, 0, 1, nullptr}, "align (= 0) must be >= 1");
+  expect({idx.data(), 2, 2, 4, 1, 1, nullptr, -1}, "capacity (= -1) must be >= 0");
   expect({idx.data(), 2, 2, 4, 1, 3, nullptr}, "num_ranks (= 3) must divide num_experts (= 4)");
   expect({idx.data(), 2, 0, 4, 1, 1, nullptr}, "slots_per_token (= 0)");
   expect({nullptr, 2, 2, 4, 1, 1, nullptr}, "indices is null");

@@ -12,12 +12,14 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "admission_cases.hpp"
@@ -138,12 +140,16 @@ void check_admit(const Router& r, const Policy& p, const batch& b, const char* w
     CHECK(same_bits(ddz.download(), cdz));
   }
   cudaStreamDestroy(stream);
-  // Dispatch of the admitted result, with padding and ranks.
-  for (int align : {1, 8}) {
+  // Dispatch of the admitted result, with padding, ranks and the fixed E x C layout.
+  std::vector<std::int64_t> held(b.E, 0);
+  for (const std::int32_t e : cidx)
+    if (e >= 0) ++held[e];
+  const std::int64_t fixed = *std::max_element(held.begin(), held.end()) + 3;
+  for (const auto& [align, capacity] : {std::pair<int, std::int64_t>{1, 0}, {8, 0}, {1, fixed}, {8, fixed}}) {
     const int R = b.E % 4 == 0 ? 4 : 1;
-    const std::int64_t bound = mr::dispatch_rows_bound(b.N, b.K, b.E, align);
+    const std::int64_t bound = mr::dispatch_rows_bound(b.N, b.K, b.E, align, capacity);
     std::vector<std::int64_t> counts(b.E), offsets(b.E + 1), perm(bound), inv(slots), ranks(R);
-    mr::dispatch_inputs hd{cidx.data(), b.N, b.K, b.E, align, R, nullptr};
+    mr::dispatch_inputs hd{cidx.data(), b.N, b.K, b.E, align, R, nullptr, capacity};
     mr::cpu::dispatch(hd, mr::dispatch_outputs{counts.data(), offsets.data(), perm.data(), inv.data(), ranks.data()});
     device_vector<std::int64_t> dcounts(b.E), doffsets(b.E + 1), dperm(bound), dinv(slots), dranks(R);
     mr::dispatch_inputs dd = hd;

@@ -22,6 +22,7 @@
 
 #include "admission_cases.hpp"
 #include "executor.hpp"
+#include "token_masks.hpp"
 #include <moe_route/backend/cuda/detail/admission_launch.cuh>
 #include <moe_route/backend/cuda/detail/dispatch_launch.cuh>
 #include <moe_route/backend/cuda/detail/expert_choice_launch.cuh>
@@ -41,11 +42,20 @@ using admission_cases::make_batch;
 using admission_cases::same_bits;
 using admission_cases::same_report;
 
+// The most slots any expert holds.
+std::int64_t most_held(const std::vector<std::int32_t>& idx, int E) {
+  std::vector<std::int64_t> held(E, 0);
+  for (const std::int32_t e : idx)
+    if (e >= 0 && e < E) ++held[e];
+  return E == 0 ? 0 : *std::max_element(held.begin(), held.end());
+}
+
 // The emulated cuda::dispatch against cpu::dispatch.
 void check_dispatch(const mr::dispatch_inputs& in) {
   const emu::executor ex;
   const std::int64_t slots = in.num_tokens * in.slots_per_token;
-  const std::int64_t bound = mr::dispatch_rows_bound(in.num_tokens, in.slots_per_token, in.num_experts, in.align);
+  const std::int64_t bound =
+      mr::dispatch_rows_bound(in.num_tokens, in.slots_per_token, in.num_experts, in.align, in.capacity);
   std::vector<std::int64_t> counts(in.num_experts), offsets(in.num_experts + 1), perm(bound), inv(slots),
       ranks(in.num_ranks);
   mr::cpu::dispatch(in, mr::dispatch_outputs{counts.data(), offsets.data(), perm.data(), inv.data(), ranks.data()});
@@ -96,6 +106,8 @@ void check_admit(const Router& r, const Policy& p, const batch& b, const char* w
   for (int align : {1, 8}) {
     const int R = b.E % 4 == 0 ? 4 : 1;
     check_dispatch(mr::dispatch_inputs{cidx.data(), b.N, b.K, b.E, align, R, nullptr});
+    // The fixed E x C layout (capacity admission keeps every expert within its capacity).
+    check_dispatch(mr::dispatch_inputs{cidx.data(), b.N, b.K, b.E, align, R, nullptr, most_held(cidx, b.E) + 3});
   }
 }
 
@@ -104,18 +116,8 @@ void all_policies(const Router& r, const batch& b) {
   admission_cases::for_each_policy([&](const auto& p, const char* what) { check_admit(r, p, b, what); });
 }
 
-// Which tokens of a batch are padding: some (every third and every fifth from
-// 4), every one, or none. Valid tokens get different nonzero bytes.
-enum class padding { some, all, none };
-
-std::vector<std::uint8_t> make_mask(std::int64_t N, padding kind) {
-  std::vector<std::uint8_t> mask(N);
-  for (std::int64_t t = 0; t < N; ++t) {
-    const bool pad = kind == padding::all || (kind == padding::some && (t % 3 == 1 || t % 5 == 4));
-    mask[t] = pad ? 0 : static_cast<std::uint8_t>(1 + (t * 37) % 255);
-  }
-  return mask;
-}
+using emu::padding;
+using emu::make_mask;
 
 // b with its padding rows holding what no call may read: NaN logits, routed
 // indices and group ids out of range, NaN gates, zero norms.
@@ -490,7 +492,7 @@ TEST_CASE("emulated CUDA expert_choice: tokens of an invalid group are never pic
   CHECK(rep.max_experts_per_token == E);
 }
 
-TEST_CASE("emulated CUDA dispatch == cpu::dispatch: rank map, everything dropped, N = 0, invalid entries") {
+TEST_CASE("emulated CUDA dispatch == cpu::dispatch: rank map, fixed capacity, everything dropped, N = 0, invalid entries") {
   std::mt19937 rng(31);
   const std::int64_t N = 300;
   const int E = 96, S = 6;
@@ -506,6 +508,34 @@ TEST_CASE("emulated CUDA dispatch == cpu::dispatch: rank map, everything dropped
     const std::int64_t n_tokens = variant == 2 ? 0 : N;
     check_dispatch(mr::dispatch_inputs{in.data(), n_tokens, S, E, 128, 5, map.data()});
     check_dispatch(mr::dispatch_inputs{in.data(), n_tokens, S, E, 1, 3, nullptr});
+    const std::int64_t most = most_held(in, E);
+    check_dispatch(mr::dispatch_inputs{in.data(), n_tokens, S, E, 1, 3, nullptr, std::max<std::int64_t>(most, 1)});
+    check_dispatch(mr::dispatch_inputs{in.data(), n_tokens, S, E, 8, 5, map.data(), most + 5});
+  }
+  // Over a fixed capacity (the CPU backend rejects it) the device keeps each
+  // expert's first C slots in slot order: the CPU's layout of those alone.
+  {
+    const std::int64_t capacity = most_held(idx, E) / 2;
+    std::vector<std::int32_t> kept = idx;
+    std::vector<std::int64_t> held(E, 0);
+    for (auto& e : kept)
+      if (e >= 0 && ++held[e] > capacity) e = -1;
+    const emu::executor ex;
+    const std::int64_t bound = mr::dispatch_rows_bound(N, S, E, 2, capacity);
+    std::vector<std::int64_t> counts(E), offsets(E + 1), perm(bound), inv(N * S);
+    mr::cpu::dispatch(mr::dispatch_inputs{kept.data(), N, S, E, 2, 1, nullptr, capacity},
+                      mr::dispatch_outputs{counts.data(), offsets.data(), perm.data(), inv.data()});
+    std::vector<std::int64_t> ecounts(E), eoffsets(E + 1), eperm(bound), einv(N * S);
+    const std::size_t bytes = cad::make_dispatch_layout(ex, nullptr, static_cast<int>(N * S), E).bytes;
+    std::vector<unsigned char> ws(bytes);
+    cad::launch_dispatch(ex, mr::dispatch_inputs{idx.data(), N, S, E, 2, 1, nullptr, capacity},
+                         mr::dispatch_outputs{ecounts.data(), eoffsets.data(), eperm.data(), einv.data()}, ws.data(),
+                         bytes, bytes);
+    CHECK(ecounts == counts);
+    CHECK(eoffsets == offsets);
+    CHECK(eperm == perm);
+    CHECK(einv == inv);
+    CHECK(eoffsets[E] == E * ((capacity + 1) / 2 * 2));
   }
   // Entries outside [-1, E) (the CPU backend rejects them) are dispatched as -1.
   std::vector<std::int32_t> bad = idx, clean = idx;

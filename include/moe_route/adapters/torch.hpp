@@ -364,10 +364,11 @@ struct dispatch_result {
   at::Tensor rank_counts;  // [num_ranks] int64
 };
 
-// Dispatch metadata (admission/dispatch.hpp) of indices [N, S]; every shape
-// is fixed by the arguments, so nothing is read back.
+// Dispatch metadata (admission/dispatch.hpp) of indices [N, S], in the fixed
+// E x capacity layout when capacity > 0; every shape is fixed by the
+// arguments, so nothing is read back.
 inline dispatch_result dispatch(const at::Tensor& indices, int num_experts, int align, int num_ranks,
-                                const std::optional<at::Tensor>& expert_rank) {
+                                const std::optional<at::Tensor>& expert_rank, std::int64_t capacity = 0) {
   return detail::translating_errors([&] {
     const detail::placement where = detail::placement_of(indices, "indices");
     if (num_experts < 1 || num_experts > max_experts)
@@ -375,6 +376,7 @@ inline dispatch_result dispatch(const at::Tensor& indices, int num_experts, int 
                           std::to_string(max_experts) + "]");
     if (align < 1) detail::value_error("align must be >= 1, got " + std::to_string(align));
     if (num_ranks < 1) detail::value_error("num_ranks must be >= 1, got " + std::to_string(num_ranks));
+    if (capacity < 0) detail::value_error("capacity must be >= 0, got " + std::to_string(capacity));
     const at::Tensor idx = detail::checked(indices, "indices", at::kInt, {-1, -1}, where);
     const auto ranks = detail::checked(expert_rank, "expert_rank", at::kInt, {num_experts}, where);
     if (idx.size(1) < 1) detail::value_error("indices must have at least one slot per token");
@@ -386,11 +388,13 @@ inline dispatch_result dispatch(const at::Tensor& indices, int num_experts, int 
     in.align = align;
     in.num_ranks = num_ranks;
     in.expert_rank = detail::data_of<std::int32_t>(ranks);
+    in.capacity = capacity;
     const auto i64 = where.options(at::kLong);
     dispatch_result r;
     r.counts = at::empty({num_experts}, i64);
     r.offsets = at::empty({num_experts + 1}, i64);
-    r.permutation = at::empty({dispatch_rows_bound(in.num_tokens, in.slots_per_token, num_experts, align)}, i64);
+    r.permutation =
+        at::empty({dispatch_rows_bound(in.num_tokens, in.slots_per_token, num_experts, align, capacity)}, i64);
     r.inverse = at::empty({in.num_tokens * in.slots_per_token}, i64);
     r.rank_counts = at::empty({num_ranks}, i64);
     dispatch_outputs out;

@@ -25,15 +25,15 @@ _LOSS_NAMES = {"batch": "load_balancing_loss", "sequence": "seq_load_balancing_l
                "global_batch": "global_load_balancing_loss"}
 
 
-def _top_k_fractions(z, k, token_mask):
-    """f [E]: the share of the valid tokens' top-k selections of z that each expert holds."""
-    chosen = torch.topk(z.float(), k, dim=1).indices
-    weight = torch.ones_like(chosen, dtype=torch.float32)
-    if token_mask is not None:
-        weight = weight * token_mask.to(torch.float32).unsqueeze(1)
-    counts = torch.zeros(z.shape[1], dtype=torch.float32, device=z.device).index_add_(
-        0, chosen.reshape(-1), weight.reshape(-1))
-    return counts / torch.clamp(weight.sum(), min=1.0)
+def _padded_to_capacity(routing_map, capacity):
+    """Megatron's moe_pad_expert_input_to_capacity map: each expert's column filled
+    up to min(capacity, tokens) with tokens it did not admit, whose probs stay 0.
+    The fillers are the lowest-index such tokens (Megatron's dispatcher takes them
+    in that order too); Megatron's router takes whichever its topk over the zero
+    probs returns, so only the admitted entries and the counts are the same."""
+    fill = min(capacity, routing_map.shape[0])
+    chosen = routing_map.T.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :fill]
+    return torch.zeros_like(routing_map.T).scatter_(1, chosen, True).T
 
 
 class MoERouteTopKRouter(TopKRouter):
@@ -45,6 +45,7 @@ class MoERouteTopKRouter(TopKRouter):
         # Megatron divides the z-loss coefficient over the tensor x context parallel ranks.
         self.route_config = dataclasses.replace(route_config, z_loss=route_config.z_loss / self.tp_cp_group.size())
         self.admission = Admission.from_megatron(config)
+        self.pad_to_capacity = bool(config.moe_pad_expert_input_to_capacity) and not self.admission.is_dropless
         self.global_load_balance: Optional[GlobalLoadBalance] = None
         if self.route_config.load_balance_scope == "global_batch":
             group = self.tp_dp_cp_group
@@ -80,14 +81,10 @@ class MoERouteTopKRouter(TopKRouter):
             replay = self.router_replay.replay_backward_list.pop(0)
         if replay is not None:
             replay = replay.to(device=z.device, dtype=torch.int32)
-            if cfg.load_balance and cfg.load_balance_scope == "batch":
-                # Megatron's aux loss counts the router's own top-k, not the replayed experts:
-                # its batch loss is the global-batch form with those counts as the fractions.
-                cfg = dataclasses.replace(cfg, load_balance_scope="global_batch")
-                extra = dict(load_fractions=_top_k_fractions(z.detach(), cfg.top_k, token_mask))
-            elif cfg.load_balance and cfg.load_balance_scope == "sequence":
-                raise ValueError("moe_route: routing replay with seq_aux_loss is not reproduced (Megatron counts "
-                                 "the router's own top-k per sequence)")
+            if cfg.load_balance and cfg.load_balance_scope != "global_batch":
+                # Megatron's aux loss counts the router's own top-k, not the replayed experts
+                # (global_aux_loss: GlobalLoadBalance counts that top-k already).
+                cfg = dataclasses.replace(cfg, load_balance_counts="top_k")
         res = route(z, cfg, training=recorded, expert_bias=self.expert_bias, token_mask=token_mask,
                     replay_indices=replay, admission=None if self.admission.is_dropless else self.admission,
                     **extra)
@@ -99,6 +96,8 @@ class MoERouteTopKRouter(TopKRouter):
         routing_map = torch.zeros_like(z, dtype=torch.bool).scatter_add(1, slots, kept)
         if recorded and (cfg.load_balance or cfg.z_loss):
             probs = self._attach_penalties(probs, res, z.shape[0] if token_mask is None else token_mask.sum())
+        if self.pad_to_capacity:
+            routing_map = _padded_to_capacity(routing_map, self.admission.capacity(z.shape[0], cfg.top_k, z.shape[1]))
         self._apply_expert_bias(routing_map)
         return probs.type_as(logits), routing_map
 

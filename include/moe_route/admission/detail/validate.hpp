@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include <moe_route/admission/admission.hpp>
 #include <moe_route/admission/dispatch.hpp>
@@ -165,6 +166,7 @@ inline void validate_dispatch(const dispatch_inputs& in, const dispatch_outputs&
     fail("dispatch: num_experts (= " + std::to_string(in.num_experts) + ") must be in [1, " +
          std::to_string(max_experts) + "]");
   if (in.align < 1) fail("dispatch: align (= " + std::to_string(in.align) + ") must be >= 1");
+  if (in.capacity < 0) fail("dispatch: capacity (= " + std::to_string(in.capacity) + ") must be >= 0");
   if (in.num_ranks < 1) fail("dispatch: num_ranks (= " + std::to_string(in.num_ranks) + ") must be >= 1");
   if (in.expert_rank == nullptr && in.num_experts % in.num_ranks != 0)
     fail("dispatch: num_ranks (= " + std::to_string(in.num_ranks) + ") must divide num_experts (= " +
@@ -180,6 +182,13 @@ inline void validate_dispatch_data(const dispatch_inputs& in) {
     if (in.indices[s] < -1 || in.indices[s] >= in.num_experts)
       fail("dispatch: indices[" + std::to_string(s) + "] (= " + std::to_string(in.indices[s]) +
            ") must be -1 or an expert in [0, num_experts)");
+  if (in.capacity > 0) {
+    std::vector<std::int64_t> held(static_cast<std::size_t>(in.num_experts), 0);
+    for (std::int64_t s = 0; s < slots; ++s)
+      if (in.indices[s] >= 0 && ++held[in.indices[s]] > in.capacity)
+        fail("dispatch: indices give expert " + std::to_string(in.indices[s]) + " more than capacity (= " +
+             std::to_string(in.capacity) + ") slots");
+  }
   if (in.expert_rank != nullptr)
     for (int e = 0; e < in.num_experts; ++e)
       if (in.expert_rank[e] < 0 || in.expert_rank[e] >= in.num_ranks)

@@ -28,15 +28,13 @@ inline std::int64_t dispatch(const dispatch_inputs& in, const dispatch_outputs& 
   for (std::int64_t s = 0; s < slots; ++s)
     if (in.indices[s] >= 0) ++out.counts[in.indices[s]];
   out.offsets[0] = 0;
-  for (int e = 0; e < e_count; ++e) {
-    const std::int64_t padded = (out.counts[e] + in.align - 1) / in.align * in.align;
-    out.offsets[e + 1] = out.offsets[e] + padded;
-  }
+  for (int e = 0; e < e_count; ++e)
+    out.offsets[e + 1] = out.offsets[e] + expert_rows(out.counts[e], in.align, in.capacity);
   if (out.permutation != nullptr || out.inverse != nullptr) {
     std::vector<std::int64_t> cursor(out.offsets, out.offsets + e_count);
     if (out.permutation != nullptr)
       std::fill(out.permutation,
-                out.permutation + dispatch_rows_bound(in.num_tokens, in.slots_per_token, e_count, in.align),
+                out.permutation + dispatch_rows_bound(in.num_tokens, in.slots_per_token, e_count, in.align, in.capacity),
                 std::int64_t{-1});
     for (std::int64_t s = 0; s < slots; ++s) {
       const std::int32_t e = in.indices[s];

@@ -9,7 +9,8 @@
 // of the padded counts gives the offsets, and one scatter writes the
 // permutation and its inverse. No atomic decides an order. Entries of indices
 // outside [-1, E) are treated as -1 and expert_rank entries outside [0, R)
-// are not counted (the CPU backend throws). One call handles fewer than 2^31
+// are not counted, and under a fixed capacity an expert's slots past the
+// first `capacity` are not executed (the CPU backend throws). One call handles fewer than 2^31
 // slots; offsets, rows and slot ids are written as int64. No allocation, no
 // synchronisation.
 #pragma once

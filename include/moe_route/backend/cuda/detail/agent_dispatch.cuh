@@ -38,12 +38,14 @@ struct dispatch_bounds_step {
   }
 };
 
-// counts[e], and padded[e] = counts[e] rounded up to align (padded[E] = 0, for the scan).
+// counts[e] (at most a fixed capacity: the slots past it are not executed),
+// and padded[e] = expert_rows(counts[e]) (padded[E] = 0, for the scan).
 struct dispatch_counts_step {
   const std::uint32_t* first;
   const std::uint32_t* last;
   int num_experts;
   int align;
+  std::int64_t capacity;
   std::int64_t* counts;
   std::int64_t* padded;
   MOE_ROUTE_CUDA_DEVICE void operator()(std::int64_t e) const {
@@ -51,17 +53,20 @@ struct dispatch_counts_step {
       padded[e] = 0;
       return;
     }
-    const std::int64_t c = static_cast<std::int64_t>(last[e]) - static_cast<std::int64_t>(first[e]);
+    std::int64_t c = static_cast<std::int64_t>(last[e]) - static_cast<std::int64_t>(first[e]);
+    if (capacity > 0 && c > capacity) c = capacity;
     counts[e] = c;
-    padded[e] = (c + align - 1) / align * align;
+    padded[e] = expert_rows(c, align, capacity);
   }
 };
 
-// The permutation (row -> slot) and its inverse (slot -> row).
+// The permutation (row -> slot) and its inverse (slot -> row); an expert's
+// slots past a fixed capacity keep inverse -1.
 struct dispatch_scatter_step {
   const std::uint32_t* keys;
   const std::uint32_t* items;
   int num_experts;
+  std::int64_t capacity;
   const std::uint32_t* first;
   const std::int64_t* offsets;
   std::int64_t* permutation;
@@ -69,7 +74,9 @@ struct dispatch_scatter_step {
   MOE_ROUTE_CUDA_DEVICE void operator()(std::int64_t i) const {
     const std::uint32_t e = keys[i];
     if (e >= static_cast<std::uint32_t>(num_experts)) return;
-    const std::int64_t row = offsets[e] + (i - static_cast<std::int64_t>(first[e]));
+    const std::int64_t position = i - static_cast<std::int64_t>(first[e]);
+    if (capacity > 0 && position >= capacity) return;
+    const std::int64_t row = offsets[e] + position;
     const std::int64_t slot = items[i];
     if (permutation != nullptr) permutation[row] = slot;
     if (inverse != nullptr) inverse[slot] = row;

@@ -60,7 +60,7 @@ void launch_dispatch(const Exec& ex, const dispatch_inputs& in, const dispatch_o
   const int n = static_cast<int>(in.num_tokens * in.slots_per_token);
   const int e_count = in.num_experts;
   dispatch_layout l = make_dispatch_layout(ex, align_workspace(workspace), n, e_count);
-  const std::int64_t bound = dispatch_rows_bound(in.num_tokens, in.slots_per_token, e_count, in.align);
+  const std::int64_t bound = dispatch_rows_bound(in.num_tokens, in.slots_per_token, e_count, in.align, in.capacity);
   if (out.permutation != nullptr && bound > 0)
     ex.fill(out.permutation, 0xff, sizeof(std::int64_t) * bound, "permutation");
   if (out.inverse != nullptr && n > 0) ex.fill(out.inverse, 0xff, sizeof(std::int64_t) * n, "inverse");
@@ -73,13 +73,13 @@ void launch_dispatch(const Exec& ex, const dispatch_inputs& in, const dispatch_o
     ex.sort_pairs(l.temp, l.temp_bytes, keys, items, n, l.key_bits, false, "dispatch by expert");
     ex.for_each(n, dispatch_bounds_step{keys.current(), n, e_count, l.first, l.last}, "dispatch bounds");
   }
-  ex.for_each(e_count + 1, dispatch_counts_step{l.first, l.last, e_count, in.align, out.counts, l.padded},
+  ex.for_each(e_count + 1, dispatch_counts_step{l.first, l.last, e_count, in.align, in.capacity, out.counts, l.padded},
               "dispatch counts");
   ex.exclusive_sum(l.temp, l.temp_bytes, l.padded, out.offsets, e_count + 1, "dispatch offsets");
   if (n > 0 && (out.permutation != nullptr || out.inverse != nullptr))
     ex.for_each(n,
-                dispatch_scatter_step{keys.current(), items.current(), e_count, l.first, out.offsets, out.permutation,
-                                      out.inverse},
+                dispatch_scatter_step{keys.current(), items.current(), e_count, in.capacity, l.first, out.offsets,
+                                      out.permutation, out.inverse},
                 "dispatch scatter");
   if (out.rank_counts != nullptr)
     ex.for_each(in.num_ranks, dispatch_ranks_step{out.counts, e_count, in.expert_rank, in.num_ranks, out.rank_counts},
