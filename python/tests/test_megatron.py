@@ -178,6 +178,18 @@ def test_route_equals_megatron(name, seed):
         assert torch.equal(updated, want_bias)
 
 
+def _assert_same_step(got, want):
+    """Two megatron_route results: the same probs, tracked losses, logits gradient and
+    expert-bias loads (the routing maps are the caller's to compare)."""
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
+    assert got[2].keys() == want[2].keys()
+    for key in want[2]:
+        torch.testing.assert_close(got[2][key], want[2][key], rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5 * float(want[3].abs().max()))
+    if want[4] is not None:
+        assert torch.equal(got[4], want[4])
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_megatron_integration_router_equals_topkrouter(name):
     # MoERouteTopKRouter is Megatron's TopKRouter with routing() on the library: the
@@ -191,13 +203,7 @@ def test_the_megatron_integration_router_equals_topkrouter(name):
     want = megatron_route(fields, logits, bias, upstream)
     got = megatron_route(fields, logits, bias, upstream, router_class=MoERouteTopKRouter)
     assert torch.equal(got[1], want[1])
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
-    assert got[2].keys() == want[2].keys()
-    for key in want[2]:
-        torch.testing.assert_close(got[2][key], want[2][key], rtol=1e-5, atol=0.0)
-    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5 * float(want[3].abs().max()))
-    if bias is not None:
-        assert torch.equal(got[4], want[4])
+    _assert_same_step(got, want)
 
 
 PADDED_CASES = sorted(name for name, fields in CASES.items()
@@ -333,13 +339,7 @@ def test_the_megatron_integration_router_pads_to_capacity_as_topkrouter(name):
     assert torch.equal(got[1].sum(dim=0), torch.full((E,), min(capacity, N)))
     assert torch.equal(want[1].sum(dim=0), got[1].sum(dim=0))
     assert torch.equal(got[1] & (got[0] != 0), want[1] & (want[0] != 0))
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-7)
-    assert got[2].keys() == want[2].keys()
-    for key in want[2]:
-        torch.testing.assert_close(got[2][key], want[2][key], rtol=1e-5, atol=0.0)
-    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5 * float(want[3].abs().max()))
-    if bias is not None:
-        assert torch.equal(got[4], want[4])
+    _assert_same_step(got, want)
     # The fillers: per expert, the lowest-index tokens it did not admit.
     for e in range(E):
         fillers = (got[1][:, e] & (got[0][:, e] == 0)).nonzero().flatten()
