@@ -170,6 +170,9 @@ def _models(name):
             for bias in ("e_score_correction_bias", "expert_bias"):  # the router's, or its MoE block's
                 if isinstance(getattr(module, bias, None), torch.Tensor):
                     getattr(module, bias).uniform_(0.0, 0.2, generator=g)
+            if type(module).__name__ == "Qwen3OmniMoeTalkerTextExperts":  # its _init_weights leaves them torch.empty
+                for weight in module.parameters(recurse=False):
+                    weight.normal_(0.0, 0.02, generator=g)
     patched = copy.deepcopy(original)
     assert integration.patch(patched) == 2 * ROUTERS_PER_LAYER.get(name, 1)
     return original, patched
