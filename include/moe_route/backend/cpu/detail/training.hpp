@@ -252,9 +252,9 @@ void clear_token_values(const workspace_view& ws, std::int64_t t) {
 // workspace, its sums into `part`; `counted` holds the K experts its
 // load-balance counts take.
 template <class Router, class T>
-void penalty_forward_row(const Router& r, const route_inputs<T>& in, const penalty::switches& on,
-                         const std::int32_t* counted, std::int64_t t, penalty_scratch& sc, penalty_partials& part,
-                         const workspace_view& ws) {
+MOE_ROUTE_FLATTEN void penalty_forward_row(const Router& r, const route_inputs<T>& in,
+                                           const penalty::switches& on, const std::int32_t* counted, std::int64_t t,
+                                           penalty_scratch& sc, penalty_partials& part, const workspace_view& ws) {
   using traits = penalty::penalty_traits<Router>;
   const int E = in.num_experts, k = r.top_k;
   clear_token_values<Router>(ws, t);
@@ -366,9 +366,9 @@ void distribution_grads(const Router& r, const route_inputs<T>& in, const penalt
 // distribution-space (load_balance and locality together), kl_to_base,
 // logit_l2, z_loss.
 template <class Router, class T>
-void penalty_backward_row(const Router& r, const route_inputs<T>& in, const penalty::switches& on,
-                          const penalty::token_weights& w, const workspace_view& ws, std::int64_t t,
-                          penalty_scratch& sc, float* dz) {
+MOE_ROUTE_FLATTEN void penalty_backward_row(const Router& r, const route_inputs<T>& in,
+                                            const penalty::switches& on, const penalty::token_weights& w,
+                                            const workspace_view& ws, std::int64_t t, penalty_scratch& sc, float* dz) {
   using traits = penalty::penalty_traits<Router>;
   const int E = in.num_experts;
   penalty_row<Router> row(sc, in.logits + t * E, E, on.distribution || on.kl_to_base, traits::z_loss && on.z_loss);
