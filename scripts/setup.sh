@@ -35,16 +35,32 @@ else
   "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_version" "pytest==9.2.0" "pybind11==3.1.0" "numpy==2.4.6"
 fi
 
-# The engines whose routers the tests use as oracles (python/tests/test_megatron.py):
-# their pure-PyTorch paths on the CPU, random weights, nothing downloaded from a hub.
-# megatron-core 0.16.1 is the newest release for Python 3.11 (Debian 12's).
-engines=("megatron-core==0.16.1" "transformers==5.23.0")
-if "$venv/bin/python" -c "
+# Installs pinned PyPI packages (name==version) into the venv unless all are
+# there at those versions; arguments starting with -- go to pip.
+pip_pinned() {
+  local options=() specs=() a
+  for a in "$@"; do
+    if [[ $a == --* ]]; then options+=("$a"); else specs+=("$a"); fi
+  done
+  if "$venv/bin/python" -c "
 import sys
 from importlib.metadata import version
-sys.exit(not (version('megatron-core') == '0.16.1' and version('transformers') == '5.23.0'))" 2>/dev/null; then
-  echo "setup: $venv has ${engines[*]}"
-else
-  echo "setup: installing ${engines[*]} from PyPI"
-  "$venv/bin/pip" install -q --disable-pip-version-check "${engines[@]}"
-fi
+sys.exit(not all(version(name) == v for name, v in (spec.split('==') for spec in sys.argv[1:])))" "${specs[@]}" 2>/dev/null; then
+    echo "setup: $venv has ${specs[*]}"
+  else
+    echo "setup: installing ${specs[*]} from PyPI ${options[*]}"
+    "$venv/bin/pip" install -q --disable-pip-version-check "${options[@]}" "${specs[@]}"
+  fi
+}
+
+# The engines whose routers the tests use as oracles (python/tests/test_megatron.py,
+# test_transformers.py): their pure-PyTorch paths on the CPU, random weights,
+# nothing downloaded from a hub. megatron-core 0.16.1 is the newest release for
+# Python 3.11 (Debian 12's).
+pip_pinned "megatron-core==0.16.1" "transformers==5.23.0"
+
+# torchtitan's router (python/tests/test_torchtitan.py): the package without its
+# training stack (datasets, tokenizers, wandb, torchdata, tensorboard, ...), with
+# only what its model and optimizer modules import (torchtitan.models.common.moe,
+# torchtitan.components.optimizer): spmd_types, and tyro with its docstring_parser.
+pip_pinned --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" "tyro==1.0.17" "docstring_parser==0.18.0"

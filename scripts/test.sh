@@ -10,5 +10,6 @@ source scripts/env.sh
 # 2 cores (they are built by `cmake --preset default`, docs/performance.md).
 cmake --preset default -DMOE_ROUTE_BUILD_BENCHMARKS=OFF
 cmake --build --preset default
-# The engines' oracles (python/tests/test_megatron.py, test_transformers.py) must run here, not skip.
+# The engines' oracles (python/tests/test_megatron.py, test_transformers.py,
+# test_torchtitan.py) must run here, not skip.
 MOE_ROUTE_REQUIRE_ENGINES=1 ctest --preset default

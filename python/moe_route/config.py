@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from . import _C, _hf, _megatron
+from . import _C, _hf, _megatron, _torchtitan
 
 GATINGS = ("softmax", "sigmoid", "sqrt_softplus", "softmax_after_topk")
 SELECTIONS = ("top_k", "expert_bias", "group_limited", "group_limited_bias", "group_limited_score", "fixed")
@@ -123,6 +123,19 @@ class RouterConfig(_Fields):
         e_score_correction_bias as expert_bias. Raises ValueError naming the
         model type or setting it does not reproduce (docs/integration.md)."""
         return cls(**_hf.router_fields(config))
+
+    @classmethod
+    def from_torchtitan(cls, config, load_balance_coeff=_torchtitan._UNSET) -> "RouterConfig":
+        """torchtitan's router (torchtitan.models.common.moe, 0.3.0): a MoE
+        layer's Config or module (its router, and its load_balance_coeff: the
+        expert bias is on when that is set), or a TokenChoiceTopKRouter's
+        Config or module with load_balance_coeff given (default: no bias).
+        With the bias on pass the layer's expert_bias_E as expert_bias, and
+        update it with moe_route.integrations.torchtitan.update_expert_bias
+        (torchtitan centres the step). Raises ValueError naming the torchtitan
+        field it does not reproduce (docs/integration.md)."""
+        router, coeff = _torchtitan.router_and_coeff(config, load_balance_coeff)
+        return cls(**_torchtitan.router_fields(router, coeff))
 
     @staticmethod
     def preset_experts(name: str) -> int:

@@ -76,10 +76,11 @@ def compare_route(cfg, z32: torch.Tensor, *, training: bool = True, upstream=Non
 
 
 def import_engine(module: str):
-    """An engine whose own code is a test oracle (megatron.core, transformers).
-    scripts/setup.sh installs them and scripts/test.sh requires them
-    (MOE_ROUTE_REQUIRE_ENGINES=1), so the suite fails there if one is missing;
-    elsewhere, as on the GPU machine, which has none, their tests skip visibly."""
+    """An engine whose own code is a test oracle (megatron.core, transformers,
+    torchtitan). scripts/setup.sh installs them and scripts/test.sh requires
+    them (MOE_ROUTE_REQUIRE_ENGINES=1), so the suite fails there if one is
+    missing; elsewhere, as on the GPU machine, which has none, their tests skip
+    visibly."""
     import importlib
     import os
 
