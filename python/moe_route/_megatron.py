@@ -91,6 +91,8 @@ def _load_balance(m: Dict[str, Any], biased_or_grouped: bool) -> Dict[str, Any]:
     if kind == "global_aux_loss":  # the loads come from GlobalLoadBalance, a plain top-k as Megatron's
         return {"load_balance": coeff, "load_balance_scope": "global_batch"}
     f = {"load_balance": coeff, "load_balance_scope": "batch" if kind == "aux_loss" else "sequence"}
+    if kind == "seq_aux_loss":  # under a padding mask Megatron divides every sequence by the mean valid length
+        f["load_balance_sequence_length"] = "batch_mean"
     if biased_or_grouped:  # Megatron counts the loads on a plain top-k of the unbiased scores
         f["load_balance_counts"] = "top_k"
     return f

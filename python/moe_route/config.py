@@ -89,6 +89,10 @@ class RouterConfig(_Fields):
     # the experts the load-balance loads f count: "selected" (those routed) or
     # "top_k" (each token's K largest unbiased logits, as Megatron-Core counts)
     load_balance_counts: str = "selected"
+    # under load_balance_scope="sequence", the length that normalises each
+    # sequence: "own" (its valid tokens) or "batch_mean" (the batch's mean valid
+    # length, as Megatron-Core's seq_aux_loss does under a padding mask)
+    load_balance_sequence_length: str = "own"
     z_loss: float = 0.0
     kl_to_base: float = 0.0
     logit_l2: float = 0.0

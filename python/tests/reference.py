@@ -195,7 +195,7 @@ def log_distribution(gating: str, z: torch.Tensor) -> torch.Tensor:
 
 def penalties(z: torch.Tensor, indices: torch.Tensor, *, gating: str = "softmax", top_k: int = 2,
               training: bool = True, load_balance: float = 0.0, load_balance_scope: str = "batch",
-              load_balance_counts: str = "selected",
+              load_balance_counts: str = "selected", load_balance_sequence_length: str = "own",
               z_loss: float = 0.0, kl_to_base: float = 0.0, logit_l2: float = 0.0, locality: float = 0.0,
               locality_epsilon: float = 1e-3, prior_bias: Optional[torch.Tensor] = None,
               prior_probs: Optional[torch.Tensor] = None, token_prior_row: Optional[torch.Tensor] = None,
@@ -204,7 +204,9 @@ def penalties(z: torch.Tensor, indices: torch.Tensor, *, gating: str = "softmax"
               rank: int = 0, **_ignored) -> torch.Tensor:
     """The five penalty values (load_balance, z_loss, kl_to_base, logit_l2, locality), float64 [5].
     The loads f count `indices`, or under load_balance_counts="top_k" each token's
-    top_k largest logits (ties to the lower expert)."""
+    top_k largest logits (ties to the lower expert). Over sequences, each is
+    normalised by its own valid length, or under load_balance_sequence_length=
+    "batch_mean" by the mean over all num_sequences, which the loss then averages over."""
     n, e = z.shape
     zero = torch.zeros((), dtype=F64)
     out = [zero] * 5
@@ -222,15 +224,18 @@ def penalties(z: torch.Tensor, indices: torch.Tensor, *, gating: str = "softmax"
             alpha = f32(load_balance)
             if load_balance_scope == "sequence":
                 seq = sequence_ids.long()[valid]
-                total, nonempty = zero, 0
+                total, averaged = zero, 0
                 for q in range(int(num_sequences)):
                     m = seq == q
                     if not bool(m.any()):
                         continue
-                    nonempty += 1
-                    f = torch.bincount(iv[m].reshape(-1), minlength=e).to(F64) / (int(m.sum()) * top_k)
-                    total = total + (f * p[m].mean(dim=0)).sum()
-                out[0] = alpha * e * total / nonempty
+                    averaged += 1
+                    length = int(m.sum()) if load_balance_sequence_length == "own" else nv / int(num_sequences)
+                    f = torch.bincount(iv[m].reshape(-1), minlength=e).to(F64) / (length * top_k)
+                    total = total + (f * p[m].sum(dim=0) / length).sum()
+                if load_balance_sequence_length == "batch_mean":
+                    averaged = int(num_sequences)
+                out[0] = alpha * e * total / averaged
             else:
                 if load_balance_scope == "global_batch":
                     f = load_fractions.to(F64)

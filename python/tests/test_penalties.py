@@ -96,6 +96,33 @@ def test_load_balance_counting_the_top_k_equals_selected_on_a_plain_router(batch
     assert torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("gating", GATINGS)
+def test_load_balance_over_sequences_normalised_by_the_batch_mean_length(gating, batch):
+    # load_balance_sequence_length="batch_mean" (docs/policies.md section 5.2): every sequence
+    # divided by the mean valid length, averaged over all of them (sequence 3 is empty).
+    # Under a token mask: test_token_mask.py.
+    z = batch.pop("z")
+    cfg = mr.RouterConfig(gating=gating, top_k=3, load_balance=0.5, load_balance_scope="sequence",
+                          load_balance_sequence_length="batch_mean", z_loss=0.01)
+    mean = compare_route(cfg, z, **batch)
+    cfg.load_balance_sequence_length = "own"
+    own = compare_route(cfg, z, **batch)
+    assert float(mean.penalty_values[0].detach()) != float(own.penalty_values[0].detach())
+
+
+def test_load_balance_over_sequences_of_equal_length_is_the_same_either_way(batch):
+    z = batch.pop("z")
+    seq = torch.arange(N) % 4
+    results = []
+    for length in ("own", "batch_mean"):
+        a = z.clone().requires_grad_(True)
+        res = mr.route(a, mr.RouterConfig(top_k=3, load_balance=0.5, load_balance_scope="sequence",
+                                          load_balance_sequence_length=length), sequence_ids=seq, num_sequences=4)
+        res.penalty_values.sum().backward()
+        results.append((res.penalty_values.detach(), a.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_load_balance_counts_are_checked_by_name(batch):
     z = batch.pop("z")
     with pytest.raises(ValueError, match="load_balance_counts = 'top_two' is not one of: selected, top_k"):
@@ -103,6 +130,11 @@ def test_load_balance_counts_are_checked_by_name(batch):
     with pytest.raises(ValueError, match="load_balance.counts"):
         mr.route(z, mr.RouterConfig(load_balance=0.5, load_balance_scope="global_batch", load_balance_counts="top_k"),
                  load_fractions=batch["load_fractions"])
+    with pytest.raises(ValueError, match="load_balance_sequence_length = 'mean' is not one of: own, batch_mean"):
+        mr.route(z, mr.RouterConfig(load_balance=0.5, load_balance_scope="sequence", load_balance_sequence_length="mean"),
+                 sequence_ids=batch["sequence_ids"], num_sequences=4)
+    with pytest.raises(ValueError, match="load_balance.sequence_length"):
+        mr.route(z, mr.RouterConfig(load_balance=0.5, load_balance_sequence_length="batch_mean"))
 
 
 def test_locality_with_every_expert_local_is_kl_to_uniform(batch):

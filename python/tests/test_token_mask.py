@@ -19,6 +19,8 @@ CONFIGS = {
     "softmax_after_topk": mr.RouterConfig(gating="softmax_after_topk", top_k=2, load_balance=0.5, z_loss=0.1),
     "sigmoid_expert_bias": mr.RouterConfig(gating="sigmoid", selection="expert_bias", top_k=4, load_balance=0.3),
     "sequence_scope": mr.RouterConfig(top_k=2, load_balance=0.5, load_balance_scope="sequence"),
+    "sequence_scope_batch_mean": mr.RouterConfig(top_k=2, load_balance=0.5, load_balance_scope="sequence",
+                                                 load_balance_sequence_length="batch_mean"),
     "prior": mr.RouterConfig(top_k=3, prior="log_prior_bias", kl_to_base=0.2, logit_l2=0.05, z_loss=0.1),
     "k_equals_e": mr.RouterConfig(top_k=E, load_balance=0.5),
 }

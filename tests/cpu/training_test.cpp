@@ -150,7 +150,8 @@ struct policies {
   double beta = 0;
   bool lb = false, z = false, kl = false, l2 = false, loc = false;
   pen::load_balance::scope lb_scope = pen::load_balance::scope::batch;
-  bool lb_top_k = false;  // f from each token's K largest unbiased logits
+  bool lb_top_k = false;       // f from each token's K largest unbiased logits
+  bool lb_batch_mean = false;  // sequences normalised by the batch's mean valid length
   double lb_c = 0, z_c = 0, kl_c = 0, l2_c = 0, loc_c = 0, loc_eps = 1e-3;
 };
 
@@ -168,6 +169,7 @@ policies policies_of(const Router& r) {
     p.lb_c = mr::get<pen::load_balance>(r).coefficient;
     p.lb_scope = mr::get<pen::load_balance>(r).over;
     p.lb_top_k = mr::get<pen::load_balance>(r).counts == pen::load_balance::count::top_k;
+    p.lb_batch_mean = mr::get<pen::load_balance>(r).sequence_length == pen::load_balance::length::batch_mean;
   }
   if constexpr (Router::template has<pen::z_loss>) p.z = true, p.z_c = mr::get<pen::z_loss>(r).coefficient;
   if constexpr (Router::template has<pen::kl_to_base>) p.kl = true, p.kl_c = mr::get<pen::kl_to_base>(r).coefficient;
@@ -251,9 +253,11 @@ std::vector<double> penalty_values(const policies& p, ref::gate_kind gk, const b
         }
         if (ns == 0) continue;
         ++nonempty;
-        for (int e = 0; e < E; ++e) value += (f[e] / (ns * K)) * (P[e] / ns);
+        const double length = p.lb_batch_mean ? static_cast<double>(nv) / b.num_sequences : ns;
+        for (int e = 0; e < E; ++e) value += (f[e] / (length * K)) * (P[e] / length);
       }
-      value = nonempty ? p.lb_c * E * value / nonempty : 0.0;
+      const int averaged = p.lb_batch_mean && nonempty ? b.num_sequences : nonempty;
+      value = averaged ? p.lb_c * E * value / averaged : 0.0;
     } else {
       std::vector<double> f(E, 0), P(E, 0);
       for (std::int64_t t = 0; t < b.N; ++t) {
@@ -1024,6 +1028,43 @@ TEST_CASE("load_balance counts = top_k: f from the plain top-K under an expert b
   const auto d = run_lib(top_k_counts, b, c, u, 1, nullptr);
   CHECK(a.values == d.values);
   CHECK(a.dz == d.dz);
+}
+
+TEST_CASE("load_balance sequence_length = batch_mean: every sequence by the mean valid length") {
+  ref::rng g(35);
+  batch b = make_batch(g, 30, 33, 4);
+  b.num_sequences = 4;
+  for (std::int64_t t = 0; t < b.N; ++t) b.sequence_ids[t] = t < 4 ? 0 : t < 20 ? 1 : 3;  // unequal; 2 is empty
+  pen::load_balance lb{0.6f, pen::load_balance::scope::sequence};
+  lb.sequence_length = pen::load_balance::length::batch_mean;
+  SUBCASE("softmax") { check_training(mr::with_policies(base_router<mr::gating::softmax>(3), lb), b, g, 2); }
+  SUBCASE("sigmoid, top_k counts, z_loss") {
+    auto counted = lb;
+    counted.counts = pen::load_balance::count::top_k;
+    check_training(mr::with_policies(base_router<mr::gating::sigmoid>(4), counted, pen::z_loss{0.02f}), b, g);
+  }
+  SUBCASE("a token mask") {
+    std::vector<std::uint8_t> mask(b.N);
+    for (std::int64_t t = 0; t < b.N; ++t) mask[t] = t % 3 != 2;
+    check_masked_training(mr::with_policies(base_router<mr::gating::sqrt_softplus>(2), lb), b, mask, g);
+  }
+  SUBCASE("sequences of equal valid length: the bits of own") {
+    for (std::int64_t t = 0; t < b.N; ++t) b.sequence_ids[t] = static_cast<std::int32_t>(t % 3);
+    b.num_sequences = 3;
+    auto own = lb;
+    own.sequence_length = pen::load_balance::length::own;
+    std::vector<float> c(b.N * 3, 0.5f), u(1, 1.0f);
+    const auto a = run_lib(mr::with_policies(base_router<mr::gating::softmax>(3), lb), b, c, u, 1, nullptr);
+    const auto d = run_lib(mr::with_policies(base_router<mr::gating::softmax>(3), own), b, c, u, 1, nullptr);
+    CHECK(a.values == d.values);
+    CHECK(a.dz == d.dz);
+  }
+  SUBCASE("outside the sequence scope: refused by name") {
+    lb.over = pen::load_balance::scope::batch;
+    std::vector<float> c(b.N * 3, 0.5f), u(1, 1.0f);
+    CHECK_THROWS_WITH_AS(run_lib(mr::with_policies(base_router<mr::gating::softmax>(3), lb), b, c, u, 1, nullptr),
+                         doctest::Contains("load_balance.sequence_length"), mr::error);
+  }
 }
 
 TEST_CASE("load_balance counts = top_k over the global batch is refused by name") {

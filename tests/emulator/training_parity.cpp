@@ -250,10 +250,9 @@ void check_parity(const Router& r, const batch& b, bool admitted_gates = false, 
       const int local = pen::penalty_traits<Router>::locality ? pen::detail::local_experts(s) : 0;
       for (int e = 0; e < E; ++e) ws.expert_grad[e] = pen::expert_grad(r, s, up, local, e);
       if (pen::over_sequences(r)) {
-        std::int64_t nonempty = 0;
-        for (std::int32_t c = 0; c < b.num_sequences; ++c) nonempty += ws.sequence_tokens[c] > 0;
+        const std::int64_t sequences = pen::averaged_sequences(r, s);
         for (std::int32_t c = 0; c < b.num_sequences; ++c)
-          for (int e = 0; e < E; ++e) ws.sequence_grad[c * E + e] = pen::sequence_grad(r, s, up, nonempty, c, e);
+          for (int e = 0; e < E; ++e) ws.sequence_grad[c * E + e] = pen::sequence_grad(r, s, up, sequences, c, e);
       }
     }
     q.weights = pen::weights(r, *ws.header, up);
@@ -334,6 +333,13 @@ TEST_CASE("emulated CUDA training agents: every prior policy and penalty, bit-id
           r.top_k = 3;
           check_parity(r, b);
         }
+      }
+      SUBCASE("load balance over sequences normalised by the batch's mean valid length") {
+        pen::load_balance lb{0.3f, pen::load_balance::scope::sequence};
+        lb.sequence_length = pen::load_balance::length::batch_mean;
+        auto r = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::top_k, 8>{}, lb);
+        r.top_k = 4;
+        check_parity(r, b);
       }
       SUBCASE("fixed selection with prior_override") {
         auto r = mr::with_policies(mr::router<mr::gating::softmax, mr::selection::fixed, 4>{}, pri::prior_override{});

@@ -87,6 +87,9 @@ void validate_training_inputs(const Router& r, const route_inputs<T>& in) {
     if (lb.over == penalty::load_balance::scope::global_batch && lb.counts == penalty::load_balance::count::top_k)
       fail("load_balance.counts = top_k counts nothing over the global batch (f comes from load_fractions); "
            "use counts = selected");
+    if (lb.over != penalty::load_balance::scope::sequence &&
+        lb.sequence_length != penalty::load_balance::length::own)
+      fail("load_balance.sequence_length = batch_mean normalises sequences, but load_balance's scope is not sequence");
   }
   if constexpr (traits::locality) {
     const auto& loc = get<penalty::locality>(r);

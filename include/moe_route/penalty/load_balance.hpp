@@ -22,12 +22,21 @@ struct load_balance {
     selected,
     top_k,
   };
+  // The length that normalises a sequence's f and P (sequence scope): its own
+  // valid tokens, or the batch's mean valid length, every sequence counted in
+  // the average. They differ only when the sequences' valid lengths differ
+  // (padding); batch_mean is Megatron-Core's seq_aux_loss under a padding mask.
+  enum class length {
+    own,
+    batch_mean,
+  };
   static constexpr penalty::space space = penalty::space::distribution;
   static constexpr const char* name = "load_balance";
 
   float coefficient = 1e-3f;  // alpha
   scope over = scope::batch;
   count counts = count::selected;
+  length sequence_length = length::own;
   // global_batch takes f from the caller: counts all-reduced over data-parallel
   // ranks, or counts *after admission* (penalty::load_fractions skips dropped
   // assignments), which is how the balance is measured after capacity drops.

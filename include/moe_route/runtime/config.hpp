@@ -124,6 +124,9 @@ inline void validate(const router_config& c) {
       c.load_balance.over == penalty::load_balance::scope::global_batch)
     fail("load_balance.counts: top_k counts nothing over the global batch (f comes from load_fractions); use "
          "selected");
+  if (c.load_balance.sequence_length != penalty::load_balance::length::own &&
+      c.load_balance.over != penalty::load_balance::scope::sequence)
+    fail("load_balance.sequence_length: batch_mean normalises sequences, but load_balance_scope is not sequence");
 }
 
 template <class Gating, class Selection, class Prior>

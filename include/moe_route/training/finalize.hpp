@@ -155,6 +155,29 @@ MOE_ROUTE_HD bool over_sequences(const Router& r) {
   return false;
 }
 
+// Load balance over sequences (docs/policies.md section 5.2): the length that
+// normalises sequence q's f and P, 0 for a sequence without a valid token (it
+// adds nothing), ...
+MOE_ROUTE_HD double sequence_length(const load_balance& lb, const training_state& s, std::int32_t q) {
+  const double own = static_cast<double>(s.sequence_tokens[q]);
+  if (own == 0.0 || lb.sequence_length == load_balance::length::own) return own;
+  return static_cast<double>(s.header->valid_tokens) / static_cast<double>(s.num_sequences);
+}
+
+// ... and the number of sequences the loss averages over: those with a valid
+// token, or under batch_mean all of them (none when no token is valid).
+template <class Router>
+MOE_ROUTE_HD std::int64_t averaged_sequences(const Router& r, const training_state& s) {
+  if constexpr (Router::template has<load_balance>) {
+    if (get<load_balance>(r).sequence_length == load_balance::length::batch_mean)
+      return s.header->valid_tokens > 0 ? s.num_sequences : 0;
+    std::int64_t nonempty = 0;
+    for (std::int32_t q = 0; q < s.num_sequences; ++q) nonempty += s.sequence_tokens[q] > 0 ? 1 : 0;
+    return nonempty;
+  }
+  return 0;
+}
+
 // Every penalty value, in the router's penalty order (docs/policies.md section 5).
 template <class Router>
 MOE_ROUTE_HD void values(const Router& r, const training_state& s, double* out) {
@@ -167,11 +190,9 @@ MOE_ROUTE_HD void values(const Router& r, const training_state& s, double* out) 
     double value = 0.0;
     if (lb.over == load_balance::scope::sequence) {
       double total = 0.0;
-      std::int64_t nonempty = 0;
       for (std::int32_t q = 0; q < s.num_sequences; ++q) {
-        const double tokens = static_cast<double>(s.sequence_tokens[q]);
+        const double tokens = sequence_length(lb, s, q);
         if (tokens == 0.0) continue;
-        ++nonempty;
         double dot = 0.0;
         for (int e = 0; e < E; ++e) {
           const std::int64_t at = std::int64_t{q} * E + e;
@@ -180,7 +201,8 @@ MOE_ROUTE_HD void values(const Router& r, const training_state& s, double* out) 
         }
         total += dot;
       }
-      if (nonempty > 0) value = lb.coefficient * static_cast<double>(E) * total / static_cast<double>(nonempty);
+      const std::int64_t sequences = averaged_sequences(r, s);
+      if (sequences > 0) value = lb.coefficient * static_cast<double>(E) * total / static_cast<double>(sequences);
     } else if (valid > 0.0) {
       double dot = 0.0;
       for (int e = 0; e < E; ++e)
@@ -245,19 +267,19 @@ MOE_ROUTE_HD float expert_grad(const Router& r, const training_state& s, const u
 }
 
 // dL/dp_e for the tokens of sequence q (load_balance over sequences);
-// `nonempty` is the number of sequences with a valid token.
+// `sequences` is averaged_sequences(r, s).
 template <class Router>
 MOE_ROUTE_HD float sequence_grad(const Router& r, const training_state& s, const upstream_grads& up,
-                                 std::int64_t nonempty, std::int32_t q, int e) {
+                                 std::int64_t sequences, std::int32_t q, int e) {
   if constexpr (!penalty_traits<Router>::load_balance) {
     return 0.0f;
   } else {
-    const double tokens = static_cast<double>(s.sequence_tokens[q]);
-    if (tokens == 0.0) return 0.0f;
     const auto& lb = get<load_balance>(r);
+    const double tokens = sequence_length(lb, s, q);
+    if (tokens == 0.0) return 0.0f;
     const double f = static_cast<double>(s.sequence_counts[std::int64_t{q} * s.num_experts + e]) / (tokens * r.top_k);
     const double scale = lb.coefficient * static_cast<double>(up.value[penalty_slot<load_balance, Router>]) *
-                         s.num_experts / (static_cast<double>(nonempty) * tokens);
+                         s.num_experts / (static_cast<double>(sequences) * tokens);
     return static_cast<float>(scale * f);
   }
 }

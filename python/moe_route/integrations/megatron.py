@@ -57,21 +57,27 @@ class MoERouteTopKRouter(TopKRouter):
         """(probs [tokens, E], routing_map [tokens, E]) of logits [seq_length, batch, E], as TopKRouter.routing.
 
         padding_mask [seq_length, batch] (True: padding) leaves the padding tokens out
-        of the losses and the expert-bias loads, as Megatron does; unlike Megatron it
-        also routes them nowhere (empty routing_map rows, probs 0)."""
+        of the losses and the expert-bias loads, as Megatron does. Dropless, it also
+        routes them nowhere (empty routing_map rows, probs 0), unlike Megatron; with a
+        capacity factor they are routed and take capacity, as in Megatron."""
         seq_length, batch = logits.shape[:2]
         z = logits.reshape(-1, self.config.num_moe_experts)
         recorded = self.training and torch.is_grad_enabled()
         cfg = self.route_config
-        token_mask = None
+        valid = token_mask = None
         if padding_mask is not None:
-            self._check_padding_mask(padding_mask, seq_length, batch)
-            token_mask = ~padding_mask.reshape(-1).to(device=z.device, dtype=torch.bool)
+            if padding_mask.shape != (seq_length, batch):
+                raise ValueError(f"moe_route: padding_mask must be [seq_length, batch] = [{seq_length}, {batch}], "
+                                 f"got {list(padding_mask.shape)}")
+            valid = ~padding_mask.reshape(-1).to(device=z.device, dtype=torch.bool)
+            # Megatron's padding competes for (and sizes) the capacity: under token dropping
+            # it is routed, and only the losses and the loads leave it out.
+            token_mask = valid if self.admission.is_dropless else None
         extra = {}
         if cfg.load_balance_scope == "sequence":  # Megatron's tokens are [seq_length, batch]
             extra = dict(sequence_ids=torch.arange(z.shape[0], device=z.device) % batch, num_sequences=batch)
         elif self.global_load_balance is not None:
-            extra = dict(load_fractions=self.global_load_balance.load_fractions(z.detach(), token_mask) if recorded
+            extra = dict(load_fractions=self.global_load_balance.load_fractions(z.detach(), valid) if recorded
                          else torch.zeros(z.shape[1], device=z.device))
         action = self.router_replay.router_replay_action if self.router_replay is not None else None
         replay = None
@@ -85,33 +91,28 @@ class MoERouteTopKRouter(TopKRouter):
                 # Megatron's aux loss counts the router's own top-k, not the replayed experts
                 # (global_aux_loss: GlobalLoadBalance counts that top-k already).
                 cfg = dataclasses.replace(cfg, load_balance_counts="top_k")
-        res = route(z, cfg, training=recorded, expert_bias=self.expert_bias, token_mask=token_mask,
-                    replay_indices=replay, admission=None if self.admission.is_dropless else self.admission,
-                    **extra)
+        penalized = recorded and bool(cfg.load_balance or cfg.z_loss)
+        # Padding that is routed but in no loss: the penalties come from a second call
+        # that masks it (token-choice routing is per token, so its valid rows are the same).
+        separate = penalized and valid is not None and token_mask is None
+        res = route(z, dataclasses.replace(cfg, load_balance=0.0, z_loss=0.0) if separate else cfg,
+                    training=recorded, expert_bias=self.expert_bias, token_mask=token_mask, replay_indices=replay,
+                    admission=None if self.admission.is_dropless else self.admission, **extra)
+        penalties = route(z, cfg, expert_bias=self.expert_bias, token_mask=valid, replay_indices=replay,
+                          **extra) if separate else res
         if action == RouterReplayAction.RECORD:  # the experts chosen, before any token dropping, as Megatron
             self.router_replay.record_indices(res.routed_indices.long())
         kept = res.indices >= 0
         slots = res.indices.clamp(min=0).long()
         probs = torch.zeros_like(z, dtype=res.gates.dtype).scatter_add(1, slots, res.gates * kept)
         routing_map = torch.zeros_like(z, dtype=torch.bool).scatter_add(1, slots, kept)
-        if recorded and (cfg.load_balance or cfg.z_loss):
-            probs = self._attach_penalties(probs, res, z.shape[0] if token_mask is None else token_mask.sum())
+        if penalized:
+            probs = self._attach_penalties(probs, penalties, z.shape[0] if valid is None else valid.sum())
         if self.pad_to_capacity:
             routing_map = _padded_to_capacity(routing_map, self.admission.capacity(z.shape[0], cfg.top_k, z.shape[1]))
-        self._apply_expert_bias(routing_map)
+        # Megatron's expert-bias loads leave the padding out (its mask broadcast over the experts)
+        self._apply_expert_bias(routing_map if valid is None else routing_map & valid[:, None])
         return probs.type_as(logits), routing_map
-
-    def _check_padding_mask(self, padding_mask, seq_length, batch):
-        """What Megatron does with padding that the library does differently is refused."""
-        if padding_mask.shape != (seq_length, batch):
-            raise ValueError(f"moe_route: padding_mask must be [seq_length, batch] = [{seq_length}, {batch}], got "
-                             f"{list(padding_mask.shape)}")
-        if not self.admission.is_dropless:
-            raise ValueError("moe_route: a padding_mask with moe_expert_capacity_factor is not reproduced: Megatron's "
-                             "padding tokens take expert capacity (and count in it), the library's take none")
-        if self.route_config.load_balance and self.route_config.load_balance_scope == "sequence":
-            raise ValueError("moe_route: a padding_mask with seq_aux_loss is not reproduced: Megatron divides every "
-                             "sequence by the batch's mean valid length, the library by the sequence's own")
 
     def _attach_penalties(self, probs, res, num_tokens):
         """Megatron's attachment: the penalties' gradient joins the main loss's backward

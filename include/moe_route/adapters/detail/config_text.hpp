@@ -96,6 +96,8 @@ inline constexpr std::pair<const char*, penalty::load_balance::scope> scope_name
     {"global_batch", penalty::load_balance::scope::global_batch}};
 inline constexpr std::pair<const char*, penalty::load_balance::count> count_names[] = {
     {"selected", penalty::load_balance::count::selected}, {"top_k", penalty::load_balance::count::top_k}};
+inline constexpr std::pair<const char*, penalty::load_balance::length> length_names[] = {
+    {"own", penalty::load_balance::length::own}, {"batch_mean", penalty::load_balance::length::batch_mean}};
 inline constexpr std::pair<const char*, bool> admission_kind_names[] = {{"dropless", true}, {"capacity", false}};
 inline constexpr std::pair<const char*, runtime::affinity_kind> affinity_names[] = {
     {"position", runtime::affinity_kind::position},
@@ -118,6 +120,7 @@ inline runtime::router_config router_config_of(std::string_view text) {
     else if (key == "prior") c.prior = enum_of(key, v, prior_names);
     else if (key == "load_balance_scope") c.load_balance.over = enum_of(key, v, scope_names);
     else if (key == "load_balance_counts") c.load_balance.counts = enum_of(key, v, count_names);
+    else if (key == "load_balance_sequence_length") c.load_balance.sequence_length = enum_of(key, v, length_names);
     else if (key == "top_k") c.top_k = number_of<int>(key, v);
     else if (key == "normalize") normalize_given = true, c.normalize = flag_of(key, v);
     else if (key == "scaling_factor") c.scaling_factor = number_of<float>(key, v);

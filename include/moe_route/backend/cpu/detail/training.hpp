@@ -355,10 +355,10 @@ void distribution_grads(const Router& r, const route_inputs<T>& in, const penalt
   for (int e = 0; e < E; ++e) ws.expert_grad[e] = penalty::expert_grad(r, s, up, local, e);
   if constexpr (penalty::penalty_traits<Router>::load_balance) {
     if (!penalty::over_sequences(r)) return;
-    std::int64_t nonempty = 0;
-    for (std::int32_t q = 0; q < in.num_sequences; ++q) nonempty += ws.sequence_tokens[q] > 0 ? 1 : 0;
+    const std::int64_t sequences = penalty::averaged_sequences(r, s);
     for (std::int32_t q = 0; q < in.num_sequences; ++q)
-      for (int e = 0; e < E; ++e) ws.sequence_grad[std::int64_t{q} * E + e] = penalty::sequence_grad(r, s, up, nonempty, q, e);
+      for (int e = 0; e < E; ++e)
+        ws.sequence_grad[std::int64_t{q} * E + e] = penalty::sequence_grad(r, s, up, sequences, q, e);
   }
 }
 

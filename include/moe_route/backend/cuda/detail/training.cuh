@@ -114,13 +114,10 @@ MOE_ROUTE_KERNEL void distribution_grads_kernel(const Router r, const penalty::t
                                                 float* sequence_grad) {
   const penalty::upstream_grads up = upstream_of<Router>(penalty_grads);
   __shared__ int local;
-  __shared__ std::int64_t nonempty;
+  __shared__ std::int64_t sequences;
   if (threadIdx.x == 0) {
     local = penalty::penalty_traits<Router>::locality ? penalty::detail::local_experts(s) : 0;
-    std::int64_t n = 0;
-    if (sequence_grad != nullptr)
-      for (std::int32_t q = 0; q < s.num_sequences; ++q) n += s.sequence_tokens[q] > 0 ? 1 : 0;
-    nonempty = n;
+    sequences = sequence_grad != nullptr ? penalty::averaged_sequences(r, s) : 0;
   }
   __syncthreads();
   const int E = s.num_experts;
@@ -130,7 +127,7 @@ MOE_ROUTE_KERNEL void distribution_grads_kernel(const Router r, const penalty::t
     if (sequence_grad == nullptr) return;
     const std::int64_t entries = static_cast<std::int64_t>(s.num_sequences) * E;
     for (std::int64_t i = threadIdx.x; i < entries; i += blockDim.x)
-      sequence_grad[i] = penalty::sequence_grad(r, s, up, nonempty, static_cast<std::int32_t>(i / E),
+      sequence_grad[i] = penalty::sequence_grad(r, s, up, sequences, static_cast<std::int32_t>(i / E),
                                                 static_cast<int>(i % E));
   }
 }
