@@ -140,6 +140,8 @@ def test_token_mask_and_replay_equal_cpu(gating, selection, gen):
     z[~mask] = float("nan")
     for cfg in (mr.RouterConfig(gating=gating, prior="log_prior_bias", prior_beta=0.7, **SELECTIONS[selection],
                                 **PENALTIES),
+                mr.RouterConfig(gating=gating, load_balance=0.3, load_balance_scope="sequence",  # Megatron's
+                                load_balance_sequence_length="batch_mean", **SELECTIONS[selection]),  # seq_aux_loss
                 mr.RouterConfig(gating=gating, **SELECTIONS[selection])):
         replay = torch.stack([torch.randperm(e, generator=gen)[:cfg.top_k] for _ in range(n)]).int()
         w = torch.randn(n, cfg.top_k, generator=gen)
