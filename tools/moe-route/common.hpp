@@ -28,11 +28,11 @@ struct array {
 };
 
 // .npy reading (xtensor's xnpy). The dtype must be the one asked for
-// (float32: '<f4'; int32: '<i4', int64 '<i8' accepted and range-checked);
-// anything else is a data_error naming the file, the expected and the found dtype.
+// (float32: '<f4'; int32: '<i4', int64 '<i8' accepted and range-checked), and
+// the file must hold exactly the data its header declares (checked before any
+// allocation); anything else is a data_error naming the flag and the file.
 array<float> load_f32(const std::string& path, const std::string& what);
 array<std::int32_t> load_i32(const std::string& path, const std::string& what);
-std::string npy_dtype(const std::string& path);  // the descr of the header, e.g. "<f4"
 
 // Output files are written under temporary names next to their destination and
 // renamed into place by commit(); a failure before commit() removes them, so no

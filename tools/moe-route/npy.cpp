@@ -44,43 +44,109 @@ array<T> load_as(const std::string& path, const std::string& what) {
 
 }  // namespace
 
-std::string npy_dtype(const std::string& path) {
+namespace {
+
+// The header of a .npy file, checked against the file: its shape is
+// non-negative, its element count representable, and the file holds exactly
+// that many elements after the header. Nothing is allocated for the data before
+// these checks, so a hostile header (10^12 rows, a negative or overflowing
+// shape, a truncated file) is a data_error naming the file, not a bad_alloc or
+// silently read garbage.
+struct npy_header {
+  std::string descr;  // e.g. "<f4"
+  std::vector<std::size_t> shape;
+};
+
+std::size_t item_size(const std::string& descr) {
+  const std::string digits = descr.size() > 2 ? descr.substr(2) : "";
+  if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 2) return 0;
+  return static_cast<std::size_t>(std::stoul(digits));
+}
+
+std::vector<std::size_t> shape_of(const std::string& file, const std::string& header) {
+  const auto key = header.find("'shape'");
+  const auto open = key == std::string::npos ? key : header.find('(', key);
+  const auto close = open == std::string::npos ? open : header.find(')', open);
+  if (close == std::string::npos) throw data_error(file + ": .npy header has no shape tuple");
+  std::vector<std::size_t> shape;
+  std::string entry;
+  const std::string tuple = header.substr(open + 1, close - open - 1) + ",";
+  for (const char c : tuple) {
+    if (c != ',') {
+      if (c != ' ') entry += c;
+      continue;
+    }
+    if (entry.empty()) continue;  // the comma of a 1-tuple, or spaces
+    if (entry.find_first_not_of("0123456789") != std::string::npos || entry.size() > 19)
+      throw data_error(file + ": .npy shape entry '" + entry + "' is not a dimension (a non-negative integer)");
+    shape.push_back(static_cast<std::size_t>(std::stoull(entry)));
+    entry.clear();
+  }
+  return shape;
+}
+
+npy_header read_header(const std::string& path, const std::string& what) {
+  const std::string file = what + ": " + path;  // how the errors name it
   std::ifstream f(path, std::ios::binary);
   char magic[8] = {};
-  if (!f.read(magic, 8) || std::string(magic, 6) != "\x93NUMPY") throw data_error(path + " is not a .npy file");
+  if (!f.read(magic, 8) || std::string(magic, 6) != "\x93NUMPY") throw data_error(file + " is not a .npy file");
   std::uint32_t header_len = 0;
+  std::uint64_t data_offset = 0;
   if (magic[6] == 1) {
     unsigned char b[2];
-    if (!f.read(reinterpret_cast<char*>(b), 2)) throw data_error(path + ": truncated .npy header");
+    if (!f.read(reinterpret_cast<char*>(b), 2)) throw data_error(file + ": truncated .npy header");
     header_len = b[0] | (b[1] << 8);
-  } else {
+    data_offset = 10 + std::uint64_t{header_len};
+  } else if (magic[6] == 2 || magic[6] == 3) {
     unsigned char b[4];
-    if (!f.read(reinterpret_cast<char*>(b), 4)) throw data_error(path + ": truncated .npy header");
+    if (!f.read(reinterpret_cast<char*>(b), 4)) throw data_error(file + ": truncated .npy header");
     header_len = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<std::uint32_t>(b[3]) << 24);
+    data_offset = 12 + std::uint64_t{header_len};
+  } else {
+    throw data_error(file + ": unknown .npy format version " + std::to_string(static_cast<int>(magic[6])));
   }
-  if (header_len > (1u << 20)) throw data_error(path + ": implausible .npy header");
+  if (header_len > (1u << 20)) throw data_error(file + ": implausible .npy header");
   std::string header(header_len, '\0');
-  if (!f.read(header.data(), header_len)) throw data_error(path + ": truncated .npy header");
+  if (!f.read(header.data(), header_len)) throw data_error(file + ": truncated .npy header");
+  npy_header h;
   const auto key = header.find("'descr'");
-  if (key == std::string::npos) throw data_error(path + ": .npy header has no descr");
+  if (key == std::string::npos) throw data_error(file + ": .npy header has no descr");
   const auto q1 = header.find('\'', header.find(':', key) + 1);
   const auto q2 = header.find('\'', q1 + 1);
-  if (q1 == std::string::npos || q2 == std::string::npos) throw data_error(path + ": malformed .npy descr");
-  std::string d = header.substr(q1 + 1, q2 - q1 - 1);
-  if (d.size() > 1 && d[0] == '|') d[0] = '<';  // single-byte types
-  return d;
+  if (q1 == std::string::npos || q2 == std::string::npos) throw data_error(file + ": malformed .npy descr");
+  h.descr = header.substr(q1 + 1, q2 - q1 - 1);
+  if (h.descr.size() > 1 && h.descr[0] == '|') h.descr[0] = '<';  // single-byte types
+  h.shape = shape_of(file, header);
+  const std::size_t item = item_size(h.descr);
+  if (item == 0) return h;  // a dtype no reader accepts: the caller names it
+  std::uint64_t bytes = item;
+  for (const std::size_t d : h.shape) {
+    if (d != 0 && bytes > std::numeric_limits<std::uint64_t>::max() / d)
+      throw data_error(file + ": .npy shape " + shape_string(h.shape) + " has more bytes than can be addressed");
+    bytes *= d;
+  }
+  std::error_code ec;
+  const std::uint64_t size = fs::file_size(path, ec);
+  if (ec) throw data_error(file + ": cannot read its size");
+  if (size - data_offset != bytes)  // size >= data_offset: the header was read
+    throw data_error(file + ": .npy shape " + shape_string(h.shape) + " of " + h.descr + " needs " +
+                     std::to_string(bytes) + " bytes of data, the file holds " + std::to_string(size - data_offset) +
+                     (size - data_offset < bytes ? " (truncated)" : " (trailing bytes)"));
+  return h;
 }
+
+}  // namespace
 
 array<float> load_f32(const std::string& path, const std::string& what) {
   check_readable(path, what);
-  const std::string d = npy_dtype(path);
+  const std::string d = read_header(path, what).descr;
   if (d != "<f4") throw data_error(what + ": " + path + " has dtype " + d + "; expected float32 ('<f4')");
   return load_as<float>(path, what);
 }
 
 array<std::int32_t> load_i32(const std::string& path, const std::string& what) {
   check_readable(path, what);
-  const std::string d = npy_dtype(path);
+  const std::string d = read_header(path, what).descr;
   if (d == "<i4") return load_as<std::int32_t>(path, what);
   if (d == "<i8") {
     const array<std::int64_t> wide = load_as<std::int64_t>(path, what);

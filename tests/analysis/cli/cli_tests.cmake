@@ -74,6 +74,25 @@ moe_route_cli_test(route_bad_shape 1 ABSENT ${F}/e3/indices.npy MATCH "expected 
   ARGS route --logits ${F}/bad_shape.npy --k 2 --out ${F}/e3)
 moe_route_cli_test(route_not_npy 1 ABSENT ${F}/e4/indices.npy MATCH "not a .npy file"
   ARGS route --logits ${F}/not_npy.npy --k 2 --out ${F}/e4)
+# .npy headers that lie about their data: refused by name, before allocating, nothing written.
+foreach(bad truncated header_only trailing_bytes huge_shape negative_shape overflowing_shape)
+  if(bad STREQUAL "truncated" OR bad STREQUAL "header_only")
+    set(match "needs 16384 bytes of data, the file holds [0-9]+ \\(truncated\\)")
+  elseif(bad STREQUAL "trailing_bytes")
+    set(match "the file holds 16388 \\(trailing bytes\\)")
+  elseif(bad STREQUAL "huge_shape")
+    set(match "needs 64000000000000 bytes of data, the file holds 0 \\(truncated\\)")
+  elseif(bad STREQUAL "negative_shape")
+    set(match "--logits: .*negative_shape.npy: .npy shape entry '-5' is not a dimension")
+  elseif(bad STREQUAL "overflowing_shape")
+    set(match "has more bytes than can be addressed")
+  endif()
+  moe_route_cli_test(route_npy_${bad} 1 ABSENT ${F}/e_${bad} MATCH "${match}"
+    ARGS route --logits ${F}/${bad}.npy --k 2 --out ${F}/e_${bad})
+endforeach()
+moe_route_cli_test(route_npy_truncated_prior_rows 1 ABSENT ${F}/e_rows MATCH "--prior-rows: .*\\(truncated\\)"
+  ARGS route --logits ${F}/logits_post.npy --k 2 --prior ${F}/prior.npy --prior-rows ${F}/truncated_rows.npy
+       --out ${F}/e_rows)
 moe_route_cli_test(route_k_exceeds_experts 1 ABSENT ${F}/e5/indices.npy
   ARGS route --logits ${F}/logits_base.npy --k 17 --out ${F}/e5)
 moe_route_cli_test(route_bad_bias_shape 1 ABSENT ${F}/e6/indices.npy MATCH "expected \\[E\\]"

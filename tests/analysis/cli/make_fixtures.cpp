@@ -13,11 +13,10 @@
 
 namespace {
 
-template <class T>
-void write_npy(const std::string& path, const char* descr, const std::vector<T>& data, const std::vector<std::size_t>& shape) {
-  std::string dims;
-  for (std::size_t i = 0; i < shape.size(); ++i) dims += std::to_string(shape[i]) + (shape.size() == 1 || i + 1 < shape.size() ? "," : "");
-  for (std::size_t i = 0; i + 1 < shape.size(); ++i) (void)i;
+// A version-1 .npy file: its header declares `dims` (the text inside the shape
+// tuple, whatever it says), followed by `bytes` bytes of `data`.
+void write_raw_npy(const std::string& path, const char* descr, const std::string& dims, const void* data,
+                   std::size_t bytes) {
   std::string header = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (" + dims + "), }";
   while ((10 + header.size() + 1) % 64 != 0) header += ' ';
   header += '\n';
@@ -27,7 +26,14 @@ void write_npy(const std::string& path, const char* descr, const std::vector<T>&
   const char l[2] = {static_cast<char>(len & 0xff), static_cast<char>(len >> 8)};
   f.write(l, 2);
   f.write(header.data(), static_cast<std::streamsize>(header.size()));
-  f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size() * sizeof(T)));
+  f.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+}
+
+template <class T>
+void write_npy(const std::string& path, const char* descr, const std::vector<T>& data, const std::vector<std::size_t>& shape) {
+  std::string dims;
+  for (std::size_t i = 0; i < shape.size(); ++i) dims += std::to_string(shape[i]) + (shape.size() == 1 || i + 1 < shape.size() ? "," : "");
+  write_raw_npy(path, descr, dims, data.data(), data.size() * sizeof(T));
 }
 
 }  // namespace
@@ -87,6 +93,17 @@ int main(int argc, char** argv) {
   write_npy(dir + "/bad_trace_dtype.npy", "<f4", std::vector<float>(n * 2, 1.0f), {n, 2});
   write_npy(dir + "/short_trace.npy", "<i4", std::vector<std::int32_t>(100 * 2, 1), {100, 2});
   std::ofstream(dir + "/not_npy.npy") << "this is not a .npy file\n";
+  // Headers that lie about the data (docs/reliability.md): refused before any allocation.
+  const std::string ne = std::to_string(n) + ", " + std::to_string(e);
+  write_raw_npy(dir + "/truncated.npy", "<f4", ne, base.data(), base.size() * sizeof(float) / 2);
+  write_raw_npy(dir + "/header_only.npy", "<f4", ne, nullptr, 0);
+  std::vector<float> longer(base);
+  longer.push_back(1.0f);
+  write_raw_npy(dir + "/trailing_bytes.npy", "<f4", ne, longer.data(), longer.size() * sizeof(float));
+  write_raw_npy(dir + "/huge_shape.npy", "<f4", "1000000000000, 16", nullptr, 0);
+  write_raw_npy(dir + "/negative_shape.npy", "<f4", "-5, 16", nullptr, 0);
+  write_raw_npy(dir + "/overflowing_shape.npy", "<f4", "4294967296, 4294967296, 4294967296", nullptr, 0);
+  write_raw_npy(dir + "/truncated_rows.npy", "<i4", std::to_string(n) + ",", rows.data(), rows.size() * 2);
   std::printf("fixtures written to %s\n", dir.c_str());
   return 0;
 }
