@@ -86,7 +86,7 @@ class RouteResult:
     routed_gates: Tensor  # [N, K] float32 before admission (no grad)
     status: Optional[Tensor]  # [N, K] int8: 0 kept, 1 dropped, 2 rerouted; None without admission
     penalty_values: Tensor  # [5] float32 in PENALTIES order, differentiable
-    dispatch: Dispatch
+    dispatch: Optional[Dispatch]  # None when route() was called with with_dispatch=False
     nonfinite_rows: Tensor  # int64 []: rows with a non-finite logit
     admission_counts: Optional[Tensor]  # int64 [8] (ADMISSION_REPORT order); None without admission
 
@@ -105,6 +105,9 @@ class RouteResult:
 
     @property
     def tokens_per_expert(self) -> Tensor:
+        if self.dispatch is None:
+            raise ValueError("moe_route: route(..., with_dispatch=False) computed no dispatch, so no "
+                             "tokens_per_expert; call it with with_dispatch=True, or count the indices")
         return self.dispatch.tokens_per_expert
 
 
@@ -121,7 +124,7 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
           capacity: Optional[Tensor] = None,
           token_mask: Optional[Tensor] = None, replay_indices: Optional[Tensor] = None,
           dispatch_align: int = 1, dispatch_capacity: int = 0, num_ranks: Optional[int] = None,
-          threads: Optional[int] = None) -> RouteResult:
+          with_dispatch: bool = True, threads: Optional[int] = None) -> RouteResult:
     """Route logits [N, E] with `config`; optionally admit with `admission`
     (torch.ops.moe_route.route, then torch.ops.moe_route.dispatch).
 
@@ -138,7 +141,9 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
     routes to them instead of selecting, with gates, penalties, admission and
     gradients as for its own choice (docs/policies.md §2.9). dispatch_capacity
     C > 0 lays the dispatch out in E blocks of C rows (dispatch(), and
-    Admission.capacity for the C of a capacity admission).
+    Admission.capacity for the C of a capacity admission). with_dispatch=False
+    skips the dispatch metadata (res.dispatch is None): for a caller that
+    builds its own, as the engine integrations do.
     """
     if not isinstance(config, RouterConfig):
         raise TypeError(f"moe_route: config must be a RouterConfig, got {type(config).__name__}")
@@ -160,10 +165,12 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
         0 if num_sequences is None else int(num_sequences), load_fractions, expert_rank, int(rank), bool(training),
         admission.to_text() if admitting else "", hidden_norms, weight_norms, group_ids, int(num_groups), capacity,
         token_mask, replay_indices, _threads(threads))
-    if num_ranks is None:
-        num_ranks = int(expert_rank.max().item()) + 1 if expert_rank is not None and expert_rank.numel() else 1
-    meta = dispatch(indices, z.shape[1], align=dispatch_align, num_ranks=num_ranks, expert_rank=expert_rank,
-                    capacity=dispatch_capacity)
+    meta = None
+    if with_dispatch:
+        if num_ranks is None:
+            num_ranks = int(expert_rank.max().item()) + 1 if expert_rank is not None and expert_rank.numel() else 1
+        meta = dispatch(indices, z.shape[1], align=dispatch_align, num_ranks=num_ranks, expert_rank=expert_rank,
+                        capacity=dispatch_capacity)
     if not admitting:  # the operator returns the routing once: [0, K] in its routed_* outputs
         routed_indices, routed_gates = indices, gates.detach()
     return RouteResult(indices, gates, routed_indices, routed_gates, status if admitting else None, values, meta,

@@ -37,6 +37,29 @@ def test_router_forward_matches_route_and_reference(gen):
     assert_grad(router.weight.grad, w64.grad)
 
 
+@pytest.mark.parametrize("admission", [None, mr.Admission.capacity_probs(0.9)])
+def test_route_without_dispatch_is_the_same_call_without_its_metadata(admission, gen):
+    # with_dispatch=False (what the engine integrations pass) skips only the dispatch metadata.
+    z = randn(50, 12, gen=gen)
+    cfg = mr.RouterConfig(top_k=3, load_balance=0.5, z_loss=0.1)
+    w = torch.randn(50, 3, generator=gen)
+    results = []
+    for with_dispatch in (True, False):
+        a = z.clone().requires_grad_(True)
+        res = mr.route(a, cfg, admission=admission, with_dispatch=with_dispatch)
+        ((res.gates * w).sum() + res.aux_loss).backward()
+        results.append((res, a.grad))
+    (full, full_grad), (bare, bare_grad) = results
+    for name in ("indices", "gates", "routed_indices", "routed_gates", "status", "penalty_values", "nonfinite_rows",
+                 "admission_counts"):
+        a, b = getattr(full, name), getattr(bare, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert torch.equal(full_grad, bare_grad)
+    assert full.dispatch is not None and bare.dispatch is None
+    with pytest.raises(ValueError, match="with_dispatch=False"):
+        bare.tokens_per_expert
+
+
 def test_router_training_and_eval(gen):
     d, e, s = 8, 10, 3
     cfg = mr.RouterConfig(top_k=2, prior="log_prior_bias", kl_to_base=0.3, load_balance=0.2)

@@ -97,9 +97,10 @@ class MoERouteTopKRouter(TopKRouter):
         separate = penalized and valid is not None and token_mask is None
         res = route(z, dataclasses.replace(cfg, load_balance=0.0, z_loss=0.0) if separate else cfg,
                     training=recorded, expert_bias=self.expert_bias, token_mask=token_mask, replay_indices=replay,
-                    admission=None if self.admission.is_dropless else self.admission, **extra)
+                    admission=None if self.admission.is_dropless else self.admission, with_dispatch=False,
+                    **extra)
         penalties = route(z, cfg, expert_bias=self.expert_bias, token_mask=valid, replay_indices=replay,
-                          **extra) if separate else res
+                          with_dispatch=False, **extra) if separate else res
         if action == RouterReplayAction.RECORD:  # the experts chosen, before any token dropping, as Megatron
             self.router_replay.record_indices(res.routed_indices.long())
         kept = res.indices >= 0

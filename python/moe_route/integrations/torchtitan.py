@@ -58,7 +58,8 @@ class MoERouteTokenChoiceTopKRouter(TokenChoiceTopKRouter):
         config = self._moe_route_configs[expert_bias_E is not None]
         bias = expert_bias_E.float() if config.uses_expert_bias else None
         if torch.is_grad_enabled() and logits_TE.requires_grad:
-            res = route(logits_TE, config, training=self.training, expert_bias=bias, threads=self._moe_route_threads)
+            res = route(logits_TE, config, training=self.training, expert_bias=bias, with_dispatch=False,
+                        threads=self._moe_route_threads)
             gates, indices = res.gates, res.indices
         else:
             gates, indices = select_experts(logits_TE, config, expert_bias=bias, threads=self._moe_route_threads)

@@ -160,7 +160,8 @@ def _route(self, x, *args):
     logits = family.logits(linear_of(self, family), x)
     bias = family.bias(self, args)
     if torch.is_grad_enabled() and logits.requires_grad:
-        res = route(logits, self._moe_route_config, expert_bias=bias, threads=self._moe_route_threads)
+        res = route(logits, self._moe_route_config, expert_bias=bias, with_dispatch=False,
+                    threads=self._moe_route_threads)
         gates, indices = res.gates, res.indices
     else:
         gates, indices = select_experts(logits, self._moe_route_config, expert_bias=bias,
