@@ -156,16 +156,16 @@ MOE_ROUTE_HD bool over_sequences(const Router& r) {
 }
 
 // Load balance over sequences (docs/policies.md section 5.2): the length that
-// normalises sequence q's f and P, 0 for a sequence without a valid token (it
-// adds nothing), ...
+// normalises sequence q's f and P; 0 for a sequence without a valid token,
+// which adds nothing.
 MOE_ROUTE_HD double sequence_length(const load_balance& lb, const training_state& s, std::int32_t q) {
   const double own = static_cast<double>(s.sequence_tokens[q]);
   if (own == 0.0 || lb.sequence_length == load_balance::length::own) return own;
   return static_cast<double>(s.header->valid_tokens) / static_cast<double>(s.num_sequences);
 }
 
-// ... and the number of sequences the loss averages over: those with a valid
-// token, or under batch_mean all of them (none when no token is valid).
+// The number of sequences the loss averages over: those with a valid token,
+// or under batch_mean all of them (none when no token is valid).
 template <class Router>
 MOE_ROUTE_HD std::int64_t averaged_sequences(const Router& r, const training_state& s) {
   if constexpr (Router::template has<load_balance>) {
