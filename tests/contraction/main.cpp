@@ -15,6 +15,8 @@ void fused_routers(const float*, std::int64_t, int, const float*, float*, std::i
 void unfused_routers(const float*, std::int64_t, int, const float*, float*, std::int32_t*, float*);
 void fused_zero_routers(const float*, std::int64_t, int, const float*, const float*, float*);
 void unfused_zero_routers(const float*, std::int64_t, int, const float*, const float*, float*);
+void fused_statistics(const std::int32_t*, std::int64_t, int, int, const float*, const float*, std::int64_t, double*);
+void unfused_statistics(const std::int32_t*, std::int64_t, int, int, const float*, const float*, std::int64_t, double*);
 
 int main() {
   std::mt19937 gen(7);
@@ -74,6 +76,26 @@ int main() {
                 static_cast<long long>(first % ze));
     ++failures;
   }
-  std::printf("%d passed, %d failed\n", 5 - failures, failures);
+  // Host statistics over an assignment with dropped slots and a column-shuffled prior.
+  const std::int64_t sn = 999;
+  const int se = 37, slots = 3, rows = 40;
+  std::vector<std::int32_t> assigned(sn * slots);
+  for (std::size_t i = 0; i < assigned.size(); ++i) assigned[i] = i % 7 == 3 ? -1 : static_cast<std::int32_t>((i * i + i / 5) % se);
+  std::vector<float> pi(rows * se), shuffled(pi.size());
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  for (auto& v : pi) v = unit(gen);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < se; ++c) shuffled[r * se + c] = pi[r * se + (c * 5 + 3) % se];
+  double sa[10], sb[10];
+  fused_statistics(assigned.data(), sn, slots, se, pi.data(), shuffled.data(), rows, sa);
+  unfused_statistics(assigned.data(), sn, slots, se, pi.data(), shuffled.data(), rows, sb);
+  bool same_statistics = true;
+  for (int i = 0; i < 10; ++i)
+    if (std::memcmp(&sa[i], &sb[i], sizeof(double)) != 0) {
+      std::printf("statistic %d differs: %.17g and %.17g\n", i, sa[i], sb[i]);
+      same_statistics = false;
+    }
+  failures += same_statistics ? 0 : 1;
+  std::printf("%d passed, %d failed\n", 6 - failures, failures);
   return failures == 0 ? 0 : 1;
 }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include <moe_route/config.hpp>
+#include <moe_route/detail/numerics.hpp>
 #include <moe_route/types.hpp>
 
 namespace moe_route::analysis {
@@ -80,7 +81,7 @@ inline workload_stats workload(const std::int32_t* indices, std::int64_t num_tok
     for (std::int64_t l : w.loads)
       if (l > 0) {
         const double u = static_cast<double>(l) / total;
-        h -= u * std::log(u);
+        h = moe_route::detail::fma(-u, std::log(u), h);  // explicit: the same bits whether or not a*b+c contracts
       }
     w.load_entropy = h;
     w.normalized_load_entropy = num_experts > 1 ? h / std::log(static_cast<double>(num_experts)) : 0.0;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include <moe_route/detail/numerics.hpp>
 #include <moe_route/prior/prepare.hpp>
 
 namespace moe_route::prior {
@@ -64,12 +65,14 @@ inline shuffle_validation validate_shuffle(const float* pi, const float* shuffle
 
   std::vector<double> delta(size);
   for (std::size_t i = 0; i < size; ++i)
-    delta[i] = std::fabs(static_cast<double>(beta) * b_shuffled[i] - static_cast<double>(beta) * b[i]);
+    // one product, no a*b - c*d for a compiler to contract into an fma or not
+    delta[i] = std::fabs(static_cast<double>(beta) * (static_cast<double>(b_shuffled[i]) - b[i]));
   std::sort(delta.begin(), delta.end());
   const double position = 0.9 * static_cast<double>(size - 1);
   const std::size_t below = static_cast<std::size_t>(position);
   const double frac = position - static_cast<double>(below);
-  out.p90_abs_bias_change = below + 1 < size ? delta[below] + frac * (delta[below + 1] - delta[below]) : delta[below];
+  out.p90_abs_bias_change =
+      below + 1 < size ? moe_route::detail::fma(frac, delta[below + 1] - delta[below], delta[below]) : delta[below];
   out.upper_clamp_fraction = static_cast<double>(rep.upper_clamped) / static_cast<double>(size);
   return out;
 }
