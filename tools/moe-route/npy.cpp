@@ -46,20 +46,13 @@ array<T> load_as(const std::string& path, const std::string& what) {
 
 namespace {
 
-// The header of a .npy file, checked against the file: its shape is
-// non-negative, its element count representable, and the file holds exactly
-// that many elements after the header. Nothing is allocated for the data before
-// these checks, so a hostile header (10^12 rows, a negative or overflowing
-// shape, a truncated file) is a data_error naming the file, not a bad_alloc or
-// silently read garbage.
-struct npy_header {
-  std::string descr;  // e.g. "<f4"
-  std::vector<std::size_t> shape;
-};
-
+// The bytes of one element of a numeric descr ("<f4", "<i8", ...); 0 for any
+// other kind (strings, records, ...), which no reader accepts.
 std::size_t item_size(const std::string& descr) {
   const std::string digits = descr.size() > 2 ? descr.substr(2) : "";
-  if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 2) return 0;
+  if (descr.size() < 3 || std::string("fiub").find(descr[1]) == std::string::npos || digits.size() > 2 ||
+      digits.find_first_not_of("0123456789") != std::string::npos)
+    return 0;
   return static_cast<std::size_t>(std::stoul(digits));
 }
 
@@ -85,7 +78,13 @@ std::vector<std::size_t> shape_of(const std::string& file, const std::string& he
   return shape;
 }
 
-npy_header read_header(const std::string& path, const std::string& what) {
+// The descr of a .npy file's header (e.g. "<f4"), after checking the header
+// against the file: its shape is non-negative, its byte count representable,
+// and the file holds exactly that many bytes after the header. Nothing is
+// allocated for the data before these checks, so a hostile header (10^12 rows,
+// a negative or overflowing shape, a truncated file) is a data_error naming the
+// flag and the file, not a bad_alloc or silently read garbage.
+std::string checked_descr(const std::string& path, const std::string& what) {
   const std::string file = what + ": " + path;  // how the errors name it
   std::ifstream f(path, std::ios::binary);
   char magic[8] = {};
@@ -108,45 +107,44 @@ npy_header read_header(const std::string& path, const std::string& what) {
   if (header_len > (1u << 20)) throw data_error(file + ": implausible .npy header");
   std::string header(header_len, '\0');
   if (!f.read(header.data(), header_len)) throw data_error(file + ": truncated .npy header");
-  npy_header h;
   const auto key = header.find("'descr'");
   if (key == std::string::npos) throw data_error(file + ": .npy header has no descr");
   const auto q1 = header.find('\'', header.find(':', key) + 1);
   const auto q2 = header.find('\'', q1 + 1);
   if (q1 == std::string::npos || q2 == std::string::npos) throw data_error(file + ": malformed .npy descr");
-  h.descr = header.substr(q1 + 1, q2 - q1 - 1);
-  if (h.descr.size() > 1 && h.descr[0] == '|') h.descr[0] = '<';  // single-byte types
-  h.shape = shape_of(file, header);
-  const std::size_t item = item_size(h.descr);
-  if (item == 0) return h;  // a dtype no reader accepts: the caller names it
+  std::string descr = header.substr(q1 + 1, q2 - q1 - 1);
+  if (descr.size() > 1 && descr[0] == '|') descr[0] = '<';  // single-byte types
+  const std::vector<std::size_t> shape = shape_of(file, header);
+  const std::size_t item = item_size(descr);
+  if (item == 0) return descr;  // a dtype no reader accepts: the caller names it
   std::uint64_t bytes = item;
-  for (const std::size_t d : h.shape) {
+  for (const std::size_t d : shape) {
     if (d != 0 && bytes > std::numeric_limits<std::uint64_t>::max() / d)
-      throw data_error(file + ": .npy shape " + shape_string(h.shape) + " has more bytes than can be addressed");
+      throw data_error(file + ": .npy shape " + shape_string(shape) + " has more bytes than can be addressed");
     bytes *= d;
   }
   std::error_code ec;
   const std::uint64_t size = fs::file_size(path, ec);
   if (ec) throw data_error(file + ": cannot read its size");
   if (size - data_offset != bytes)  // size >= data_offset: the header was read
-    throw data_error(file + ": .npy shape " + shape_string(h.shape) + " of " + h.descr + " needs " +
+    throw data_error(file + ": .npy shape " + shape_string(shape) + " of " + descr + " needs " +
                      std::to_string(bytes) + " bytes of data, the file holds " + std::to_string(size - data_offset) +
                      (size - data_offset < bytes ? " (truncated)" : " (trailing bytes)"));
-  return h;
+  return descr;
 }
 
 }  // namespace
 
 array<float> load_f32(const std::string& path, const std::string& what) {
   check_readable(path, what);
-  const std::string d = read_header(path, what).descr;
+  const std::string d = checked_descr(path, what);
   if (d != "<f4") throw data_error(what + ": " + path + " has dtype " + d + "; expected float32 ('<f4')");
   return load_as<float>(path, what);
 }
 
 array<std::int32_t> load_i32(const std::string& path, const std::string& what) {
   check_readable(path, what);
-  const std::string d = read_header(path, what).descr;
+  const std::string d = checked_descr(path, what);
   if (d == "<i4") return load_as<std::int32_t>(path, what);
   if (d == "<i8") {
     const array<std::int64_t> wide = load_as<std::int64_t>(path, what);
