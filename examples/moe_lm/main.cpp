@@ -21,6 +21,7 @@
 #include "conditions.hpp"
 #include "data.hpp"
 #include "model.hpp"
+#include "output_file.hpp"
 #include "train.hpp"
 
 namespace {
@@ -128,11 +129,13 @@ void progress(const char* what, const step_log& s, int steps) {
 
 void emit(const json& j, const std::string& path) {
   std::cout << j.dump(2) << std::endl;
-  if (!path.empty()) {
-    std::ofstream out(path);
-    if (!out) throw std::runtime_error(path + ": cannot write");
-    out << j.dump(2) << "\n";
-  }
+  if (!path.empty())
+    write_replacing(path, [&](const std::string& tmp) {
+      std::ofstream out(tmp);
+      out << j.dump(2) << "\n";
+      out.close();  // flushes: a full disk shows here, not as a short file
+      if (!out) throw std::runtime_error("write to " + tmp + " failed");
+    });
 }
 
 rt::admission_config admission_of(const std::string& name, float tau, bool tau_given, double capacity_factor,

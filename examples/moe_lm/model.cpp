@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data.hpp"
+#include "output_file.hpp"
 // First: the runtime routers come compiled from moe_route::runtime.
 #include <moe_route/runtime/instantiate.hpp>
 
@@ -608,7 +609,13 @@ void save_model(const std::shared_ptr<model>& m, const std::string& path) {
   torch::serialize::OutputArchive archive;
   m->save(archive);
   archive.write("moe_lm_config", c10::IValue(to_json(m->config())));
-  archive.save_to(path);
+  write_replacing(path, [&](const std::string& tmp) {
+    try {
+      archive.save_to(tmp);
+    } catch (const c10::Error& e) {
+      throw std::runtime_error(e.what_without_backtrace());  // the reason, without LibTorch's stack frames
+    }
+  });
   if (!device.is_cpu()) m->to(device);
 }
 

@@ -21,9 +21,15 @@ class Job:
         self.name, self.cmd, self.path, self.log = name, cmd, path, os.path.splitext(path)[0] + ".log"
 
 
-def load(path):
-    with open(path) as f:
-        return json.load(f)
+def load_result(path):
+    """The JSON object in `path`; ValueError saying why when the file holds anything else (a run
+    killed mid-write, a damaged disk)."""
+    with open(path, encoding="utf-8") as f:
+        result = json.load(f)  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    if not isinstance(result, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(result), "a number")
+        raise ValueError(f"{kind}, not a JSON object")
+    return result
 
 
 def last_step(log):
@@ -43,8 +49,17 @@ def run_jobs(jobs, workers, study):
 
     Prints a line as each job finishes (with the elapsed time and an estimate of what is left) and,
     while they run, a status line with every running job's last training step: rewritten in place on
-    a terminal, every 30 s otherwise. A failed job stops the others and ends the study with its log."""
-    results = {j.name: load(j.path) for j in jobs if os.path.exists(j.path)}
+    a terminal, every 30 s otherwise. A failed job stops the others and ends the study with its log.
+    A cached result that cannot be read is said so, removed and run again."""
+    results = {}
+    for job in jobs:
+        if not os.path.exists(job.path):
+            continue
+        try:
+            results[job.name] = load_result(job.path)
+        except ValueError as e:
+            print(f"{study}: cached {job.path} is unreadable ({e}); running it again", flush=True)
+            os.remove(job.path)
     pending = [j for j in jobs if j.name not in results]
     if results:
         print(f"{study}: {len(results)} of {len(jobs)} runs cached in {os.path.dirname(jobs[0].path)}"
@@ -69,8 +84,11 @@ def run_jobs(jobs, workers, study):
                 out.close()
                 if proc.returncode != 0:
                     sys.exit(f"{study}: {' '.join(job.cmd)} failed (exit {proc.returncode}); see {job.log}")
-                os.replace(job.path + ".out", job.path)
-                results[job.name] = load(job.path)
+                try:
+                    results[job.name] = load_result(job.path + ".out")
+                except ValueError as e:
+                    sys.exit(f"{study}: {' '.join(job.cmd)} printed no JSON object ({e}); see {job.path}.out")
+                os.replace(job.path + ".out", job.path)  # only results that read back are cached
                 durations.append(time.time() - began)
                 done = len(durations)
                 left = sum(durations) / done * (total - done) / workers
@@ -93,7 +111,8 @@ def run_jobs(jobs, workers, study):
 
 
 def ensure_base(moe_lm, base, gating, steps, study):
-    """Pretrains `base` unless it exists, streaming the driver's progress lines; its JSON goes to base.json."""
+    """Pretrains `base` unless it exists, streaming the driver's progress lines; its JSON goes to base.json,
+    a record for the reader that no study reads back (a damaged one does not matter)."""
     if os.path.exists(base):
         print(f"{study}: reusing the base checkpoint {base}", flush=True)
         return

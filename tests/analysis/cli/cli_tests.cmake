@@ -137,6 +137,13 @@ else()
 endif()
 moe_route_cli_test(no_subcommand 2 ARGS)
 
+# --- route killed with SIGKILL at many points: each output is absent or complete (route_sigkill.py,
+# standard library only; it writes its own 128 MiB of logits and removes everything when it passes).
+find_package(Python3 REQUIRED COMPONENTS Interpreter)
+add_test(NAME cli_route_sigkill
+  COMMAND Python3::Interpreter ${CMAKE_CURRENT_LIST_DIR}/route_sigkill.py ${CLI} ${CMAKE_CURRENT_BINARY_DIR}/cli_sigkill)
+set_tests_properties(cli_route_sigkill PROPERTIES TIMEOUT 300)
+
 # --- analyze.
 moe_route_cli_test(analyze 0 REQUIRES cli_routed EXISTS ${F}/a1.json MATCH "mean"
   ARGS analyze --base ${F}/base/indices.npy --post ${F}/post/indices.npy --rho 0.2 --nulls 10 --seed 0
