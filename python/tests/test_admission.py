@@ -390,6 +390,9 @@ def test_dispatch_with_a_fixed_capacity_matches_reference(align, gen):
         mr.dispatch(idx, e, capacity=most - 1)
     with pytest.raises(ValueError, match="capacity must be >= 0"):
         mr.dispatch(idx, e, capacity=-1)
+    # A capacity whose padded rows cannot be counted is refused by name before anything is allocated.
+    with pytest.raises(ValueError, match=r"capacity \(= 9223372036854775807\) padded to align \(= 4\)"):
+        mr.dispatch(idx, e, align=4, capacity=2**63 - 1)
     # The capacity of an admission: the rule's C, which its admitted indices keep within.
     adm = mr.Admission.capacity_gate(1.0)
     assert adm.capacity(n, s, e) == math.ceil(n * s / e)

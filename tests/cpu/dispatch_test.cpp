@@ -193,6 +193,16 @@ TEST_CASE("dispatch: argument errors") {
   expect({idx.data(), 2, 2, 4, 1, 1, nullptr, -1}, "capacity (= -1) must be >= 0");
   expect({idx.data(), 2, 2, 4, 1, 3, nullptr}, "num_ranks (= 3) must divide num_experts (= 4)");
   expect({idx.data(), 2, 0, 4, 1, 1, nullptr}, "slots_per_token (= 0)");
+  // Row counts past 64 bits, refused before any output is sized from them.
+  constexpr std::int64_t most = std::numeric_limits<std::int64_t>::max();
+  expect({idx.data(), 2, 2, 4, 8, 1, nullptr, most - 3},
+         "capacity (= 9223372036854775804) padded to align (= 8) for 4 experts needs more rows than 64 bits count");
+  expect({idx.data(), 2, 2, 4, 1, 1, nullptr, std::int64_t{1} << 62}, "needs more rows than 64 bits count");
+  expect({idx.data(), most / 2 + 1, 2, 4, 1, 1, nullptr}, "num_tokens (= 4611686018427387904) * slots_per_token (= 2)");
+  expect({idx.data(), most / 2 - 10, 2, 4096, 1 << 30, 1, nullptr}, "padded to align (= 1073741824) for 4096 experts");
+  // The largest fixed capacity that still counts: E * C rows, exactly.
+  CHECK_NOTHROW(mr::cpu::dispatch({idx.data(), 2, 2, 4, 1, 1, nullptr, most / 4}, out));
+  CHECK(offsets[4] == 4 * (most / 4));
   expect({nullptr, 2, 2, 4, 1, 1, nullptr}, "indices is null");
   idx[2] = 4;
   expect({idx.data(), 2, 2, 4, 1, 1, nullptr}, "indices[2] (= 4) must be -1 or an expert");

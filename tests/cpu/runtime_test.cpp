@@ -233,6 +233,9 @@ TEST_CASE("runtime configuration errors name the field or the missing input") {
   c.groups = 4;
   c.top_groups = 5;
   CHECK_THROWS_WITH_AS(rt::validate(c), doctest::Contains("router_config.top_groups"), mr::error);
+  c.groups = 33;  // no E makes it route (found by tests/fuzz/config.cpp)
+  c.top_groups = 1;
+  CHECK_THROWS_WITH_AS(rt::validate(c), doctest::Contains("router_config.groups (= 33) must be in [1, 32]"), mr::error);
   c = rt::router_config{};
   c.z_loss.coefficient = std::numeric_limits<float>::quiet_NaN();
   CHECK_THROWS_WITH_AS(rt::validate(c), doctest::Contains("z_loss.coefficient"), mr::error);
@@ -272,6 +275,15 @@ TEST_CASE("runtime configuration errors name the field or the missing input") {
   a.overflow = rt::overflow_kind::drop;
   a.capacity_factor = 0.0;
   CHECK_THROWS_WITH_AS(rt::validate(a), doctest::Contains("admission_config.capacity_factor"), mr::error);
+  // The configuration accepted these and the backend refused them (found by tests/fuzz/config.cpp).
+  a.capacity_factor = 1.0;
+  a.affinity = rt::affinity_kind::cosine;
+  a.overflow = rt::overflow_kind::reroute;
+  a.max_rounds = -2;
+  CHECK_THROWS_WITH_AS(rt::validate(a), doctest::Contains("admission_config.max_rounds (= -2)"), mr::error);
+  a.max_rounds = -1;
+  a.fill_factor = std::numeric_limits<double>::infinity();
+  CHECK_THROWS_WITH_AS(rt::validate(a), doctest::Contains("admission_config.fill_factor"), mr::error);
 }
 
 TEST_CASE("workspace_shape_of gives workspace_bytes as its affine form in N") {

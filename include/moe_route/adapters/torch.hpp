@@ -389,6 +389,7 @@ inline dispatch_result dispatch(const at::Tensor& indices, int num_experts, int 
     in.num_ranks = num_ranks;
     in.expert_rank = detail::data_of<std::int32_t>(ranks);
     in.capacity = capacity;
+    admission::detail::validate_dispatch_shape(in);  // before the outputs are sized from it
     const auto i64 = where.options(at::kLong);
     dispatch_result r;
     r.counts = at::empty({num_experts}, i64);

@@ -238,7 +238,7 @@ namespace moe_route {
 // What a call did. The CPU backend returns it; the CUDA backend writes it to a
 // device pointer (admission_outputs::report), overwriting it.
 struct admission_report {
-  std::int64_t offered = 0;                 // N * K routed slots
+  std::int64_t offered = 0;                 // N * K routed slots, less those of padding tokens
   std::int64_t kept = 0;                    // accepted by the strict pass (the T_e^S)
   std::int64_t rerouted = 0;                // accepted in a reroute round
   std::int64_t dropped = 0;                 // final index -1, gate 0

@@ -22,6 +22,7 @@
 
 #include <moe_route/admission/admission.hpp>
 #include <moe_route/config.hpp>
+#include <moe_route/detail/numerics.hpp>
 #include <moe_route/gating/sigmoid.hpp>
 #include <moe_route/gating/softmax.hpp>
 #include <moe_route/gating/softmax_after_topk.hpp>
@@ -105,7 +106,9 @@ inline void validate(const router_config& c) {
     fail("selection: softmax_after_topk has scores only after selection, so it cannot key on s + b "
          "(expert_bias) or s (group_limited_score); use softmax or sigmoid gating");
   if (selection_is_grouped(c.selection)) {
-    if (c.groups < 1) fail("groups (= " + std::to_string(c.groups) + ") must be >= 1");
+    if (c.groups < 1 || c.groups > moe_route::detail::reduction_lanes)
+      fail("groups (= " + std::to_string(c.groups) + ") must be in [1, " +
+           std::to_string(moe_route::detail::reduction_lanes) + "]");
     if (c.top_groups < 1 || c.top_groups > c.groups)
       fail("top_groups (= " + std::to_string(c.top_groups) + ") must be in [1, groups]");
     if (c.per_group_k < 1) fail("per_group_k (= " + std::to_string(c.per_group_k) + ") must be >= 1");
@@ -231,7 +234,7 @@ struct admission_config {
   std::int64_t min_capacity = 0;
   bool renormalize = false;   // drop
   double fill_factor = 4.0;   // reroute
-  int max_rounds = -1;        // reroute; < 0: K
+  int max_rounds = -1;        // reroute; -1: K rounds
 };
 
 inline void validate(const admission_config& a) {
@@ -247,7 +250,11 @@ inline void validate(const admission_config& a) {
   if (a.threshold != a.threshold) fail("threshold must not be NaN");
   if (a.affinity == affinity_kind::position && a.threshold != -std::numeric_limits<float>::infinity())
     fail("threshold must stay -inf with position affinity");
-  if (a.overflow == overflow_kind::reroute && !(a.fill_factor > 0.0)) fail("fill_factor must be positive");
+  if (a.overflow == overflow_kind::reroute) {
+    if (!(a.fill_factor > 0.0) || a.fill_factor == std::numeric_limits<double>::infinity())
+      fail("fill_factor must be positive and finite");
+    if (a.max_rounds < -1) fail("max_rounds (= " + std::to_string(a.max_rounds) + ") must be >= 0, or -1 for K rounds");
+  }
 }
 
 namespace detail {

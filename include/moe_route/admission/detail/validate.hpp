@@ -158,7 +158,10 @@ void validate_expert_choice_data(const expert_choice_inputs<T>& in) {
         fail("capacity[" + std::to_string(e) + "] (= " + std::to_string(in.capacity[e]) + ") must be >= 0");
 }
 
-inline void validate_dispatch(const dispatch_inputs& in, const dispatch_outputs& out) {
+// The shape arguments of a dispatch, before any output is sized from them:
+// the rows a result can need (dispatch_rows_bound) must be countable in 64
+// bits, or the bound a caller allocates would wrap.
+inline void validate_dispatch_shape(const dispatch_inputs& in) {
   if (in.num_tokens < 0) fail("dispatch: num_tokens (= " + std::to_string(in.num_tokens) + ") must be >= 0");
   if (in.slots_per_token < 1)
     fail("dispatch: slots_per_token (= " + std::to_string(in.slots_per_token) + ") must be >= 1");
@@ -171,6 +174,23 @@ inline void validate_dispatch(const dispatch_inputs& in, const dispatch_outputs&
   if (in.expert_rank == nullptr && in.num_experts % in.num_ranks != 0)
     fail("dispatch: num_ranks (= " + std::to_string(in.num_ranks) + ") must divide num_experts (= " +
          std::to_string(in.num_experts) + ") for the default contiguous expert_rank map");
+  constexpr std::int64_t most = std::numeric_limits<std::int64_t>::max();
+  const std::int64_t padding = in.align - 1;  // align and E are ints: E * padding fits
+  const bool countable =
+      in.capacity > 0
+          ? in.capacity <= most - padding && expert_rows(in.capacity, in.align, 0) <= most / in.num_experts
+          : in.num_tokens <= (most - in.num_experts * padding) / in.slots_per_token;
+  if (!countable)
+    fail("dispatch: " +
+         (in.capacity > 0 ? "capacity (= " + std::to_string(in.capacity) + ")"
+                          : "num_tokens (= " + std::to_string(in.num_tokens) + ") * slots_per_token (= " +
+                                std::to_string(in.slots_per_token) + ")") +
+         " padded to align (= " + std::to_string(in.align) + ") for " + std::to_string(in.num_experts) +
+         " experts needs more rows than 64 bits count");
+}
+
+inline void validate_dispatch(const dispatch_inputs& in, const dispatch_outputs& out) {
+  validate_dispatch_shape(in);
   if (out.counts == nullptr) fail("dispatch: counts (output) is null");
   if (out.offsets == nullptr) fail("dispatch: offsets (output) is null");
   if (in.num_tokens > 0 && in.indices == nullptr) fail("dispatch: indices is null");

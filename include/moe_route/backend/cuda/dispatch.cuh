@@ -32,10 +32,7 @@ inline std::size_t dispatch_workspace_bytes(std::int64_t num_tokens, int slots_p
   shape.num_tokens = num_tokens;
   shape.slots_per_token = slots_per_token;
   shape.num_experts = num_experts;
-  std::int64_t dummy = 0;
-  std::int32_t dummy_index = 0;
-  shape.indices = &dummy_index;
-  admission::detail::validate_dispatch(shape, dispatch_outputs{&dummy, &dummy});
+  admission::detail::validate_dispatch_shape(shape);
   admission_detail::validate_device_dispatch(num_tokens, slots_per_token);
   return admission_detail::make_dispatch_layout(detail::device_executor{}, nullptr,
                                                 static_cast<int>(num_tokens * slots_per_token), num_experts)
