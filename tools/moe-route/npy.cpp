@@ -1,12 +1,13 @@
-// moe-route: .npy input and output through xtensor's xnpy (libxtensor-dev),
-// plus the staged (temporary name, then rename) output files.
+// moe-route: .npy input (a strict reader of its own) and output (xtensor's
+// xnpy, libxtensor-dev), plus the staged (temporary name, then rename) output
+// files.
 #include "common.hpp"
 
 #include <xtensor/xadapt.hpp>
-#include <xtensor/xarray.hpp>
 #include <xtensor/xnpy.hpp>
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -28,24 +29,6 @@ void check_readable(const std::string& path, const std::string& what) {
   if (!f) throw data_error(what + ": cannot open " + path);
 }
 
-template <class T>
-array<T> load_as(const std::string& path, const std::string& what) {
-  xt::xarray<T> a;
-  try {
-    a = xt::load_npy<T>(path);
-  } catch (const std::exception& e) {
-    throw data_error(what + ": cannot read " + path + " as .npy: " + e.what());
-  }
-  array<T> out;
-  out.shape.assign(a.shape().begin(), a.shape().end());
-  out.data.assign(a.begin(), a.end());  // row-major iteration, whatever the file's order
-  return out;
-}
-
-}  // namespace
-
-namespace {
-
 // The bytes of one element of a numeric descr ("<f4", "<i8", ...); 0 for any
 // other kind (strings, records, ...), which no reader accepts.
 std::size_t item_size(const std::string& descr) {
@@ -56,37 +39,110 @@ std::size_t item_size(const std::string& descr) {
   return static_cast<std::size_t>(std::stoul(digits));
 }
 
-std::vector<std::size_t> shape_of(const std::string& file, const std::string& header) {
-  const auto key = header.find("'shape'");
-  const auto open = key == std::string::npos ? key : header.find('(', key);
-  const auto close = open == std::string::npos ? open : header.find(')', open);
-  if (close == std::string::npos) throw data_error(file + ": .npy header has no shape tuple");
+struct npy_header {
+  std::string descr;
+  bool fortran_order = false;
   std::vector<std::size_t> shape;
-  std::string entry;
-  const std::string tuple = header.substr(open + 1, close - open - 1) + ",";
-  for (const char c : tuple) {
-    if (c != ',') {
-      if (c != ' ') entry += c;
-      continue;
-    }
-    if (entry.empty()) continue;  // the comma of a 1-tuple, or spaces
-    if (entry.find_first_not_of("0123456789") != std::string::npos || entry.size() > 19)
-      throw data_error(file + ": .npy shape entry '" + entry + "' is not a dimension (a non-negative integer)");
-    shape.push_back(static_cast<std::size_t>(std::stoull(entry)));
-    entry.clear();
-  }
-  return shape;
-}
+  std::uint64_t data_offset = 0;
+};
 
-// The descr of a .npy file's header (e.g. "<f4"), after checking the header
-// against the file: its shape is non-negative, its byte count representable,
-// and the file holds exactly that many bytes after the header. Nothing is
-// allocated for the data before these checks, so a hostile header (10^12 rows,
-// a negative or overflowing shape, a truncated file) is a data_error naming the
-// flag and the file, not a bad_alloc or silently read garbage.
-std::string checked_descr(const std::string& path, const std::string& what) {
-  const std::string file = what + ": " + path;  // how the errors name it
-  std::ifstream f(path, std::ios::binary);
+// The header dictionary, read strictly: exactly the keys 'descr',
+// 'fortran_order' and 'shape', once each, in any order, and nothing after the
+// closing brace but the padding. A looser reader can take its shape from one
+// place and its checks from another (the fuzz target found such a header).
+class header_parser {
+ public:
+  header_parser(const std::string& text, const std::string& file) : s_(text), file_(file) {}
+
+  npy_header parse() {
+    npy_header h;
+    bool descr = false, fortran = false, shape = false;
+    expect('{');
+    while (!peek('}')) {
+      const std::string key = quoted();
+      expect(':');
+      if (key == "descr" && !descr) {
+        h.descr = quoted();
+        descr = true;
+      } else if (key == "fortran_order" && !fortran) {
+        h.fortran_order = boolean();
+        fortran = true;
+      } else if (key == "shape" && !shape) {
+        h.shape = tuple();
+        shape = true;
+      } else {
+        fail("header has an unexpected or repeated key '" + key + "'");
+      }
+      if (!peek('}')) expect(',');
+    }
+    expect('}');
+    skip_spaces();
+    if (pos_ != s_.size()) fail("header has text after its dictionary");
+    if (!descr || !fortran || !shape) fail("header lacks one of 'descr', 'fortran_order' and 'shape'");
+    return h;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& why) const { throw data_error(file_ + ": .npy " + why); }
+  void skip_spaces() {
+    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\n')) ++pos_;
+  }
+  bool peek(char c) {
+    skip_spaces();
+    return pos_ < s_.size() && s_[pos_] == c;
+  }
+  void expect(char c) {
+    if (!peek(c)) fail(std::string("header is malformed (expected '") + c + "' at byte " + std::to_string(pos_) + ")");
+    ++pos_;
+  }
+  std::string quoted() {
+    expect('\'');
+    const std::size_t end = s_.find('\'', pos_);
+    if (end == std::string::npos) fail("header has an unterminated string");
+    std::string v = s_.substr(pos_, end - pos_);
+    pos_ = end + 1;
+    return v;
+  }
+  bool boolean() {
+    skip_spaces();
+    for (const auto& [word, value] : {std::pair<const char*, bool>{"True", true}, {"False", false}})
+      if (s_.compare(pos_, std::strlen(word), word) == 0) {
+        pos_ += std::strlen(word);
+        return value;
+      }
+    fail("header has a fortran_order that is neither True nor False");
+  }
+  std::vector<std::size_t> tuple() {
+    std::vector<std::size_t> shape;
+    expect('(');
+    while (!peek(')')) {
+      const std::size_t end = s_.find_first_not_of("0123456789", pos_);
+      const std::string entry = s_.substr(pos_, end == std::string::npos ? std::string::npos : end - pos_);
+      if (entry.empty() || entry.size() > 19) {
+        const std::size_t token_end = s_.find_first_of(",)", pos_);
+        fail("shape entry '" + s_.substr(pos_, token_end == std::string::npos ? 16 : token_end - pos_) +
+             "' is not a dimension (a non-negative integer)");
+      }
+      shape.push_back(static_cast<std::size_t>(std::stoull(entry)));
+      pos_ += entry.size();
+      if (!peek(')')) expect(',');
+    }
+    expect(')');
+    return shape;
+  }
+
+  const std::string& s_;
+  const std::string& file_;
+  std::size_t pos_ = 0;
+};
+
+// The header of a .npy file, checked against the file: its byte count is
+// representable and the file holds exactly that many bytes after the header.
+// Nothing is allocated for the data before these checks, so a hostile header
+// (10^12 rows, a negative or overflowing shape, a truncated file) is a
+// data_error naming the flag and the file, not a bad_alloc or silently read
+// garbage.
+npy_header checked_header(const std::string& path, const std::string& file, std::ifstream& f) {
   char magic[8] = {};
   if (!f.read(magic, 8) || std::string(magic, 6) != "\x93NUMPY") throw data_error(file + " is not a .npy file");
   std::uint32_t header_len = 0;
@@ -105,62 +161,98 @@ std::string checked_descr(const std::string& path, const std::string& what) {
     throw data_error(file + ": unknown .npy format version " + std::to_string(static_cast<int>(magic[6])));
   }
   if (header_len > (1u << 20)) throw data_error(file + ": implausible .npy header");
-  std::string header(header_len, '\0');
-  if (!f.read(header.data(), header_len)) throw data_error(file + ": truncated .npy header");
-  const auto key = header.find("'descr'");
-  if (key == std::string::npos) throw data_error(file + ": .npy header has no descr");
-  const auto q1 = header.find('\'', header.find(':', key) + 1);
-  const auto q2 = header.find('\'', q1 + 1);
-  if (q1 == std::string::npos || q2 == std::string::npos) throw data_error(file + ": malformed .npy descr");
-  std::string descr = header.substr(q1 + 1, q2 - q1 - 1);
-  if (descr.size() > 1 && descr[0] == '|') descr[0] = '<';  // single-byte types
-  const std::vector<std::size_t> shape = shape_of(file, header);
-  const std::size_t item = item_size(descr);
-  if (item == 0) return descr;  // a dtype no reader accepts: the caller names it
-  std::uint64_t bytes = item;
-  for (const std::size_t d : shape) {
-    if (d != 0 && bytes > std::numeric_limits<std::uint64_t>::max() / d)
-      throw data_error(file + ": .npy shape " + shape_string(shape) + " has more bytes than can be addressed");
+  std::string text(header_len, '\0');
+  if (!f.read(text.data(), header_len)) throw data_error(file + ": truncated .npy header");
+  npy_header h = header_parser(text, file).parse();
+  h.data_offset = data_offset;
+  if (h.descr.size() == 3 && h.descr[0] == '|' && h.descr[2] == '1') h.descr[0] = '<';  // single-byte types
+  const std::size_t item = item_size(h.descr);
+  if (item == 0) return h;  // a dtype no reader accepts: the caller names it
+  // The extent of every dimension but the empty ones must be addressable too
+  // (signed 64-bit strides), even when a 0 makes the array empty.
+  std::uint64_t bytes = item, span = item;
+  constexpr std::uint64_t addressable = std::numeric_limits<std::int64_t>::max();
+  for (const std::size_t d : h.shape) {
+    if (d != 0 && span > addressable / d)
+      throw data_error(file + ": .npy shape " + shape_string(h.shape) + " has more bytes than can be addressed");
+    span *= d != 0 ? d : 1;
     bytes *= d;
   }
   std::error_code ec;
   const std::uint64_t size = fs::file_size(path, ec);
   if (ec) throw data_error(file + ": cannot read its size");
   if (size - data_offset != bytes)  // size >= data_offset: the header was read
-    throw data_error(file + ": .npy shape " + shape_string(shape) + " of " + descr + " needs " +
+    throw data_error(file + ": .npy shape " + shape_string(h.shape) + " of " + h.descr + " needs " +
                      std::to_string(bytes) + " bytes of data, the file holds " + std::to_string(size - data_offset) +
                      (size - data_offset < bytes ? " (truncated)" : " (trailing bytes)"));
-  return descr;
+  return h;
+}
+
+// The data of a checked header, in C (row-major) order whatever the file's.
+// The descr's byte order is little-endian ('<'), the machine's.
+template <class T>
+array<T> read_data(std::ifstream& f, const npy_header& h, const std::string& file) {
+  array<T> out;
+  out.shape = h.shape;
+  std::size_t n = 1;
+  for (const std::size_t d : h.shape) n *= d;
+  std::vector<T> raw(n);
+  if (n > 0 && !f.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(n * sizeof(T))))
+    throw data_error(file + ": cannot read its data");
+  if (!h.fortran_order || h.shape.size() < 2) {
+    out.data = std::move(raw);
+    return out;
+  }
+  // Fortran order: the first index varies fastest. Walk the C order with an
+  // odometer and fetch each element from its Fortran offset.
+  out.data.resize(n);
+  const std::size_t rank = h.shape.size();
+  std::vector<std::size_t> stride(rank, 1), index(rank, 0);
+  for (std::size_t d = 1; d < rank; ++d) stride[d] = stride[d - 1] * h.shape[d - 1];
+  std::size_t offset = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    out.data[i] = raw[offset];
+    for (std::size_t d = rank; d-- > 0;) {
+      offset += stride[d];
+      if (++index[d] < h.shape[d]) break;
+      offset -= stride[d] * h.shape[d];
+      index[d] = 0;
+    }
+  }
+  return out;
 }
 
 }  // namespace
 
 array<float> load_f32(const std::string& path, const std::string& what) {
   check_readable(path, what);
-  const std::string d = checked_descr(path, what);
-  if (d != "<f4") throw data_error(what + ": " + path + " has dtype " + d + "; expected float32 ('<f4')");
-  return load_as<float>(path, what);
+  const std::string file = what + ": " + path;  // how the errors name it
+  std::ifstream f(path, std::ios::binary);
+  const npy_header h = checked_header(path, file, f);
+  if (h.descr != "<f4") throw data_error(file + " has dtype " + h.descr + "; expected float32 ('<f4')");
+  return read_data<float>(f, h, file);
 }
 
 array<std::int32_t> load_i32(const std::string& path, const std::string& what) {
   check_readable(path, what);
-  const std::string d = checked_descr(path, what);
-  if (d == "<i4") return load_as<std::int32_t>(path, what);
-  if (d == "<i8") {
-    const array<std::int64_t> wide = load_as<std::int64_t>(path, what);
+  const std::string file = what + ": " + path;
+  std::ifstream f(path, std::ios::binary);
+  const npy_header h = checked_header(path, file, f);
+  if (h.descr == "<i4") return read_data<std::int32_t>(f, h, file);
+  if (h.descr == "<i8") {
+    const array<std::int64_t> wide = read_data<std::int64_t>(f, h, file);
     array<std::int32_t> out;
     out.shape = wide.shape;
     out.data.resize(wide.data.size());
     for (std::size_t i = 0; i < wide.data.size(); ++i) {
       const std::int64_t v = wide.data[i];
       if (v < std::numeric_limits<std::int32_t>::min() || v > std::numeric_limits<std::int32_t>::max())
-        throw data_error(what + ": " + path + " entry " + std::to_string(i) + " (= " + std::to_string(v) +
-                         ") does not fit int32");
+        throw data_error(file + " entry " + std::to_string(i) + " (= " + std::to_string(v) + ") does not fit int32");
       out.data[i] = static_cast<std::int32_t>(v);
     }
     return out;
   }
-  throw data_error(what + ": " + path + " has dtype " + d + "; expected int32 ('<i4') or int64 ('<i8')");
+  throw data_error(file + " has dtype " + h.descr + "; expected int32 ('<i4') or int64 ('<i8')");
 }
 
 std::string shape_string(const std::vector<std::size_t>& shape) {

@@ -90,6 +90,15 @@ foreach(bad truncated header_only trailing_bytes huge_shape negative_shape overf
   moe_route_cli_test(route_npy_${bad} 1 ABSENT ${F}/e_${bad} MATCH "${match}"
     ARGS route --logits ${F}/${bad}.npy --k 2 --out ${F}/e_${bad})
 endforeach()
+moe_route_cli_test(route_npy_repeated_key 1 ABSENT ${F}/e_repeated MATCH "unexpected or repeated key 'shape'"
+  ARGS route --logits ${F}/repeated_key.npy --k 2 --out ${F}/e_repeated)
+# Fortran order is read into C order: the same routing as the C-order file, byte for byte.
+outputs_of(${F}/fortran o)
+moe_route_cli_test(route_npy_fortran_order 0 SETUP cli_fortran EXISTS ${o}
+  ARGS route --logits ${F}/logits_base_fortran.npy --k 2 --out ${F}/fortran)
+add_test(NAME cli_route_npy_fortran_same COMMAND ${CMAKE_COMMAND} -E compare_files ${F}/base/indices.npy
+         ${F}/fortran/indices.npy)
+set_tests_properties(cli_route_npy_fortran_same PROPERTIES FIXTURES_REQUIRED "cli_routed;cli_fortran")
 moe_route_cli_test(route_npy_truncated_prior_rows 1 ABSENT ${F}/e_rows MATCH "--prior-rows: .*\\(truncated\\)"
   ARGS route --logits ${F}/logits_post.npy --k 2 --prior ${F}/prior.npy --prior-rows ${F}/truncated_rows.npy
        --out ${F}/e_rows)

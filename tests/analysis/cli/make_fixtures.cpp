@@ -15,9 +15,12 @@ namespace {
 
 // A version-1 .npy file: its header declares `dims` (the text inside the shape
 // tuple, whatever it says), followed by `bytes` bytes of `data`.
+// `order` is the header's fortran_order; `extra` is written after the shape,
+// inside the dictionary (for headers that must be refused).
 void write_raw_npy(const std::string& path, const char* descr, const std::string& dims, const void* data,
-                   std::size_t bytes) {
-  std::string header = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (" + dims + "), }";
+                   std::size_t bytes, const char* order = "False", const std::string& extra = "") {
+  std::string header = std::string("{'descr': '") + descr + "', 'fortran_order': " + order + ", 'shape': (" + dims +
+                       "), " + extra + "}";
   while ((10 + header.size() + 1) % 64 != 0) header += ' ';
   header += '\n';
   std::ofstream f(path, std::ios::binary);
@@ -104,6 +107,14 @@ int main(int argc, char** argv) {
   write_raw_npy(dir + "/negative_shape.npy", "<f4", "-5, 16", nullptr, 0);
   write_raw_npy(dir + "/overflowing_shape.npy", "<f4", "4294967296, 4294967296, 4294967296", nullptr, 0);
   write_raw_npy(dir + "/truncated_rows.npy", "<i4", std::to_string(n) + ",", rows.data(), rows.size() * 2);
+  // The base logits in Fortran order (column-major bytes): read back in C order, they route as logits_base.npy.
+  std::vector<float> columns(n * e);
+  for (std::size_t t = 0; t < n; ++t)
+    for (std::size_t x = 0; x < e; ++x) columns[x * n + t] = base[t * e + x];
+  write_raw_npy(dir + "/logits_base_fortran.npy", "<f4", ne, columns.data(), columns.size() * sizeof(float), "True");
+  // A second 'shape' key (xtensor's reader took its shape from the text after the first one).
+  write_raw_npy(dir + "/repeated_key.npy", "<f4", ne, base.data(), base.size() * sizeof(float), "False",
+                "'shape': (1, 2), ");
   std::printf("fixtures written to %s\n", dir.c_str());
   return 0;
 }
