@@ -12,8 +12,9 @@
 # extension's pytest suite (test_cuda.py: CUDA vs CPU bit for bit, a training step
 # under torch.cuda.set_sync_debug_mode("error"), CUDA-graph replay against
 # eager; test_operators.py: opcheck), the benchmarks
-# (moe_route_gpu_bench, bench_extension.py --device cuda), and last the
-# 2^24-token case. Every log goes to $OUT (the device tool's output folder;
+# (moe_route_gpu_bench, bench_extension.py --device cuda), the 2^24-token
+# case, and last the GPU tests under compute-sanitizer (memcheck, racecheck,
+# synccheck, initcheck). Every log goes to $OUT (the device tool's output folder;
 # build/gpu/out elsewhere), with the time each stage ended in stages.txt.
 # Exit status 0 when every test passed, 1 when one failed or a host-framework
 # target did not build, 2 when the configuration or the core GPU tests' build failed.
@@ -78,4 +79,19 @@ if [ $have_ext = 1 ]; then
   done
 fi
 run gpu_tests_large_batch $b/tests/cuda/moe_route_gpu_tests -tc="large batch*"
+# Last, as it is the slowest: the GPU tests (without the 2^24-token case)
+# under compute-sanitizer's four tools; SANITIZE=0 leaves it out. A report of
+# any tool fails the check (--error-exitcode).
+sanitizer=$(command -v compute-sanitizer || echo "$(dirname "$(command -v nvcc)")/compute-sanitizer")
+if [ "${SANITIZE:-1}" = 1 ] && [ -x "$sanitizer" ]; then
+  for tool in memcheck racecheck synccheck initcheck; do
+    run sanitize_${tool}_gpu_tests "$sanitizer" --tool $tool --error-exitcode 1 \
+      $b/tests/cuda/moe_route_gpu_tests -tce="large batch*"
+    run sanitize_${tool}_gpu_admission_tests "$sanitizer" --tool $tool --error-exitcode 1 \
+      $b/tests/cuda/moe_route_gpu_admission_tests
+  done
+elif [ "${SANITIZE:-1}" = 1 ]; then
+  echo "== compute-sanitizer not found next to nvcc: not run"
+  status=1
+fi
 exit $status

@@ -10,6 +10,11 @@ set -euo pipefail
 packages=(cmake ninja-build g++ doctest-dev libbenchmark-dev pkgconf libigraph-dev libcli11-dev
           nlohmann-json3-dev libxtensor-dev gnuplot-nox python3-dev python3-venv
           libopenmpi-dev openmpi-bin)
+# --fuzz: also clang and its libFuzzer and sanitizer runtimes, for the fuzz
+# preset (scripts/fuzz.sh); the normal build replays the corpus without them.
+if [[ "${1:-}" == "--fuzz" ]]; then
+  packages+=(clang libclang-rt-14-dev)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

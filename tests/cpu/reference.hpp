@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <ios>
 #include <limits>
@@ -257,16 +258,23 @@ struct selection_result {
   bool group_ambiguous = false;  // the kept groups are decided by less than float rounding
 };
 
+// Best key first, ties to the lower index; a NaN key (only a group score can
+// be one: +inf and -inf keys summed) ranks below every number, -inf included.
 inline std::vector<int> rank_by_key(const std::vector<double>& key, const std::vector<int>& candidates) {
   std::vector<int> order = candidates;
   std::sort(order.begin(), order.end(), [&](int a, int b) {
-    if (key[a] != key[b]) return key[a] > key[b];
+    const bool nan_a = std::isnan(key[a]), nan_b = std::isnan(key[b]);
+    if (nan_a != nan_b) return nan_b;
+    if (!nan_a && key[a] != key[b]) return key[a] > key[b];
     return a < b;
   });
   return order;
 }
 
-// Group scores (sum of the per_group_k best keys of each group).
+// Group scores: the sum of the per_group_k best keys of each group, in fp32
+// from 0 in descending key order as section 2.4 specifies, so two keys near
+// -FLT_MAX overflow to -inf as they do in the library (a double sum would keep
+// such a group above one holding a NaN logit).
 inline std::vector<double> group_scores(const spec& sp, const std::vector<double>& key) {
   const int E = static_cast<int>(key.size());
   const int size = E / sp.groups;
@@ -274,8 +282,8 @@ inline std::vector<double> group_scores(const spec& sp, const std::vector<double
   for (int g = 0; g < sp.groups; ++g) {
     std::vector<double> k(key.begin() + g * size, key.begin() + (g + 1) * size);
     std::sort(k.begin(), k.end(), std::greater<double>());
-    double sum = 0;
-    for (int j = 0; j < sp.per_group_k; ++j) sum += k[j];
+    float sum = 0;
+    for (int j = 0; j < sp.per_group_k; ++j) sum += static_cast<float>(k[j]);
     score[g] = sum;
   }
   return score;
@@ -587,9 +595,16 @@ inline bool close(double lib, double expect, double rtol, double atol) {
   return std::fabs(lib - expect) <= rtol * std::fabs(expect) + atol;
 }
 
+// A number with the digits that tell two floats apart.
+inline std::string precise(double x) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%.9g", x);
+  return buffer;
+}
+
 inline std::string row_string(const std::vector<double>& x, std::size_t max_items = 12) {
   std::string s = "[";
-  for (std::size_t i = 0; i < x.size() && i < max_items; ++i) s += (i ? ", " : "") + std::to_string(x[i]);
+  for (std::size_t i = 0; i < x.size() && i < max_items; ++i) s += (i ? ", " : "") + precise(x[i]);
   if (x.size() > max_items) s += ", ...";
   return s + "]";
 }
@@ -602,73 +617,118 @@ struct check_stats {
   std::int64_t nonfinite_rows = 0;       // reference count of rows with NaN or +-inf
 };
 
-// Compares a library forward with the reference, row by row.
+// The relative error fp32 softmax gates carry from rounding v_e - m (m the
+// row's, or for softmax_after_topk the selection's, largest logit): up to
+// 2^-24 |v_e - m| in exp(v_e - m), in the numerator and, weighted, in the
+// sum. Terms more than 104 below m flush to 0 and bring none. Small for
+// ordinary logits; 4e-6 at a spread of 70, which fuzzed rows reach.
+inline std::vector<double> softmax_rounding(const spec& sp, const std::vector<double>& v, const int* idx) {
+  std::vector<double> r(sp.K, 0.0);
+  if (sp.gate != gate_kind::softmax && sp.gate != gate_kind::softmax_after_topk) return r;
+  std::vector<double> normalising;
+  if (sp.gate == gate_kind::softmax) normalising = v;
+  else for (int j = 0; j < sp.K; ++j) normalising.push_back(v[idx[j]]);
+  double m = -flt_max, spread = 0;
+  for (double x : normalising) m = std::max(m, x);
+  for (double x : normalising)
+    if (m - x < 104) spread = std::max(spread, m - x);
+  for (int j = 0; j < sp.K; ++j) r[j] = 0x1p-23 * (std::min(m - v[idx[j]], 104.0) + spread);
+  return r;
+}
+
+// One row of a library forward against the reference (no test framework, so
+// the fuzz targets share it):
 //  - indices: exactly the reference's, except that for keys computed in float
 //    (key_tol > 0: s + b, or any key under group_limited) a slot may hold a
 //    different expert whose reference key is within key_tol of the reference's;
 //  - gates: the reference gates of the library's indices within gate_rtol.
+struct row_check {
+  std::string problem;           // empty: the row agrees
+  std::vector<int> expected;     // the reference's experts
+  std::vector<double> logits;    // the sanitised row, for messages
+  bool nonfinite = false;        // the row holds NaN or +-inf
+  bool group_ambiguous = false;  // kept groups decided within float rounding: selection not compared
+  int ambiguous_positions = 0;
+};
+
+template <class T>
+row_check check_row(const spec& sp, const T* z, int E, const float* bias, std::int64_t t, const std::int32_t* li,
+                    const float* lg, double gate_rtol, double key_tol) {
+  const int K = sp.K;
+  row_check c;
+  c.logits.resize(E);
+  for (int e = 0; e < E; ++e) {
+    const double x = value(z[e]);
+    c.nonfinite |= !std::isfinite(x);
+    c.logits[e] = sanitize(x);
+  }
+  const std::vector<double>& v = c.logits;
+  const std::vector<double> s = scores(sp.gate, v);
+  const selection_result sel = select(sp, v, s, bias, t);
+  c.expected = sel.order;
+  c.group_ambiguous = sel.group_ambiguous;
+  const std::vector<int> idx(li, li + K);
+  std::vector<char> seen(E, 0);
+  for (int j = 0; j < K && c.problem.empty(); ++j) {
+    if (idx[j] < 0 || idx[j] >= E) c.problem = "index out of range at slot " + std::to_string(j);
+    else if (seen[idx[j]]++) c.problem = "duplicate expert at slot " + std::to_string(j);
+  }
+  if (c.problem.empty() && !sel.group_ambiguous) {
+    for (int j = 0; j < K; ++j) {
+      if (idx[j] == sel.order[j]) continue;
+      const double a = sel.key.empty() ? 0 : sel.key[idx[j]], b = sel.key.empty() ? 0 : sel.key[sel.order[j]];
+      if (key_tol > 0 && std::isfinite(a) && std::isfinite(b) && std::fabs(a - b) <= key_tol * (1.0 + std::fabs(b))) {
+        ++c.ambiguous_positions;
+        continue;
+      }
+      c.problem = "slot " + std::to_string(j) + ": library expert " + std::to_string(idx[j]) + ", reference " +
+                  std::to_string(sel.order[j]);
+      break;
+    }
+  }
+  if (c.problem.empty()) {
+    const std::vector<double> w = gates(sp, v, s, idx.data());
+    const std::vector<double> rounding = softmax_rounding(sp, v, idx.data());
+    for (int j = 0; j < K; ++j)
+      if (!close(lg[j], w[j], gate_rtol + rounding[j], 1e-37)) {
+        c.problem = "gate slot " + std::to_string(j) + ": library " + precise(lg[j]) + " reference " + precise(w[j]) +
+                    " (rel err " + precise(std::fabs(lg[j] - w[j]) / std::fabs(w[j])) + ")";
+        break;
+      }
+  }
+  return c;
+}
+
+// The default key tolerance of a spec: keys computed in float may tie within rounding.
+inline double default_key_tol(const spec& sp) {
+  return sp.key == key_kind::biased_score || sp.key == key_kind::score ? 4e-6 : 0.0;
+}
+
+// Compares a library forward with the reference, row by row (check_row).
 template <class Router, class T>
 check_stats check_route(const Router& r, const std::vector<T>& z, std::int64_t N, int E, const float* bias,
                         const lib_result& lib, double gate_rtol = 2e-6, double key_tol = -1.0) {
   const spec sp = spec_of(r);
-  if (key_tol < 0) key_tol = sp.key == key_kind::biased_score || sp.key == key_kind::score ? 4e-6 : 0.0;
+  if (key_tol < 0) key_tol = default_key_tol(sp);
   check_stats st;
   const int K = sp.K;
   for (std::int64_t t = 0; t < N; ++t) {
     ++st.rows;
-    std::vector<double> v(E);
-    bool nonfinite = false;
-    for (int e = 0; e < E; ++e) {
-      const double x = value(z[static_cast<std::size_t>(t * E + e)]);
-      nonfinite |= !std::isfinite(x);
-      v[e] = sanitize(x);
-    }
-    st.nonfinite_rows += nonfinite;
-    const std::vector<double> s = scores(sp.gate, v);
-    const selection_result sel = select(sp, v, s, bias, t);
     const std::int32_t* li = lib.idx.data() + t * K;
-    const float* lg = lib.gates.data() + t * K;
-    std::vector<int> idx(li, li + K);
-    std::string problem;
-    // valid, distinct experts
-    std::vector<char> seen(E, 0);
-    for (int j = 0; j < K && problem.empty(); ++j) {
-      if (idx[j] < 0 || idx[j] >= E) problem = "index out of range at slot " + std::to_string(j);
-      else if (seen[idx[j]]++) problem = "duplicate expert at slot " + std::to_string(j);
-    }
-    if (sel.group_ambiguous) ++st.ambiguous_rows;
-    if (problem.empty() && !sel.group_ambiguous) {
-      for (int j = 0; j < K; ++j) {
-        if (idx[j] == sel.order[j]) continue;
-        const double a = sel.key.empty() ? 0 : sel.key[idx[j]], b = sel.key.empty() ? 0 : sel.key[sel.order[j]];
-        if (key_tol > 0 && std::isfinite(a) && std::isfinite(b) && std::fabs(a - b) <= key_tol * (1.0 + std::fabs(b))) {
-          ++st.ambiguous_positions;
-          continue;
-        }
-        problem = "slot " + std::to_string(j) + ": library expert " + std::to_string(idx[j]) + ", reference " +
-                  std::to_string(sel.order[j]);
-        break;
-      }
-    }
-    if (problem.empty()) {
-      const std::vector<double> w = gates(sp, v, s, idx.data());
-      for (int j = 0; j < K; ++j)
-        if (!close(lg[j], w[j], gate_rtol, 1e-37)) {
-          problem = "gate slot " + std::to_string(j) + ": library " + std::to_string(lg[j]) + " reference " +
-                    std::to_string(w[j]) + " (rel err " + std::to_string(std::fabs(lg[j] - w[j]) / std::fabs(w[j])) + ")";
-          break;
-        }
-    }
-    if (!problem.empty()) {
+    const row_check c = check_row(sp, z.data() + t * E, E, bias, t, li, lib.gates.data() + t * K, gate_rtol, key_tol);
+    st.nonfinite_rows += c.nonfinite;
+    st.ambiguous_rows += c.group_ambiguous;
+    st.ambiguous_positions += c.ambiguous_positions;
+    if (!c.problem.empty()) {
       if (st.failures < 5) {
         std::string lib_idx, ref_idx;
         for (int j = 0; j < K; ++j) {
-          lib_idx += std::to_string(idx[j]) + " ";
-          ref_idx += std::to_string(sel.order[j]) + " ";
+          lib_idx += std::to_string(li[j]) + " ";
+          ref_idx += std::to_string(c.expected[j]) + " ";
         }
-        FAIL_CHECK("row " << t << " (E=" << E << ", K=" << K << ", " << type_name<T>() << "): " << problem
+        FAIL_CHECK("row " << t << " (E=" << E << ", K=" << K << ", " << type_name<T>() << "): " << c.problem
                           << "\n  library indices: " << lib_idx << "\n  reference:       " << ref_idx
-                          << "\n  logits: " << row_string(v));
+                          << "\n  logits: " << row_string(c.logits));
       }
       ++st.failures;
     }

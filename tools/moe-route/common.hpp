@@ -27,7 +27,8 @@ struct array {
   std::size_t dim(std::size_t i) const { return shape[i]; }
 };
 
-// .npy reading (xtensor's xnpy). The dtype must be the one asked for
+// .npy reading (its own strict header parser; C or Fortran order, returned in
+// C order). The dtype must be the one asked for
 // (float32: '<f4'; int32: '<i4', int64 '<i8' accepted and range-checked), and
 // the file must hold exactly the data its header declares (checked before any
 // allocation); anything else is a data_error naming the flag and the file.
@@ -58,6 +59,11 @@ class staged_outputs {
 
 std::string shape_string(const std::vector<std::size_t>& shape);
 void ensure_directory(const std::string& dir);  // creates it (and parents); data_error on failure
+
+// Parses the command line and runs its subcommand: the exit code (0, 1 data
+// error, 2 usage error; help and version 0). Exceptions other than the named
+// errors propagate (main reports them; the fuzz target counts them as findings).
+int run(int argc, char** argv);
 
 // Subcommands: each registers its options and a callback on the app.
 void add_route(CLI::App& app);

@@ -1,0 +1,90 @@
+// The fuzz targets' view of their input: the bytes libFuzzer mutates, read as
+// choices (small integers in a range) and values. Reading past the end yields
+// zeros, so every input, even the empty one, decodes to a case, and a mutation
+// changes the case near where it lands.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+
+namespace fuzz {
+
+class input {
+ public:
+  input(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
+
+  std::uint8_t byte() { return pos_ < size_ ? data_[pos_++] : 0; }
+  std::uint32_t u32() {
+    std::uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v |= static_cast<std::uint32_t>(byte()) << (8 * i);
+    return v;
+  }
+  // An integer in [lo, hi] (hi - lo < 2^16).
+  int in(int lo, int hi) {
+    const unsigned span = static_cast<unsigned>(hi - lo) + 1;
+    const unsigned v = span <= 256 ? byte() : byte() | (static_cast<unsigned>(byte()) << 8);
+    return lo + static_cast<int>(v % span);
+  }
+  bool flag() { return byte() & 1; }
+
+  // A float that is often a hard case: signed zeros, NaN, infinities, the
+  // extremes of the finite and subnormal range, a value equal to an earlier
+  // one (ties), small integers (ties after rounding), or any bit pattern.
+  float hard_float() {
+    const std::uint8_t kind = byte();
+    float v = 0.0f;
+    switch (kind % 16) {
+      case 0: v = 0.0f; break;
+      case 1: v = -0.0f; break;
+      case 2: v = std::numeric_limits<float>::quiet_NaN(); break;
+      case 3: v = std::numeric_limits<float>::infinity(); break;
+      case 4: v = -std::numeric_limits<float>::infinity(); break;
+      case 5: v = std::numeric_limits<float>::max(); break;
+      case 6: v = -std::numeric_limits<float>::max(); break;
+      case 7: v = std::numeric_limits<float>::denorm_min(); break;
+      case 8: v = std::numeric_limits<float>::min(); break;
+      case 9: v = last_; break;  // a tie with the previous value
+      case 10: case 11: v = static_cast<float>(static_cast<int>(byte() % 9) - 4); break;
+      case 12: v = 88.7f * (byte() & 1 ? 1.0f : -1.0f); break;  // where exp leaves float's range
+      default: {
+        const std::uint32_t b = u32();
+        std::memcpy(&v, &b, sizeof v);
+      }
+    }
+    last_ = v;
+    return v;
+  }
+  // A finite float of moderate size (|x| < 2^16): for values the contract
+  // requires finite, or whose products must stay in float's range.
+  float moderate_float() {
+    const float v = hard_float();
+    if (!std::isfinite(v) || std::fabs(v) >= 65536.0f) return static_cast<float>(static_cast<int>(byte()) - 128) / 16.0f;
+    return v;
+  }
+
+  std::size_t remaining() const { return pos_ < size_ ? size_ - pos_ : 0; }
+
+ private:
+  const std::uint8_t* data_;
+  std::size_t size_;
+  std::size_t pos_ = 0;
+  float last_ = 1.0f;
+};
+
+// A finding: print what and where, then abort so libFuzzer keeps the input.
+[[noreturn]] inline void finding(const std::string& what) {
+  std::fprintf(stderr, "fuzz finding: %s\n", what.c_str());
+  std::abort();
+}
+
+#define FUZZ_CHECK(cond, what)                                   \
+  do {                                                           \
+    if (!(cond)) ::fuzz::finding(std::string(#cond ": ") + what); \
+  } while (0)
+
+}  // namespace fuzz
