@@ -15,7 +15,6 @@
 #include <filesystem>
 #include <set>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 namespace {
@@ -29,11 +28,8 @@ constexpr std::int64_t tokens = 16, experts = 8, k = 2, prior_rows = 4;
 // process works inside it.
 const std::set<std::string>& fixtures() {
   static const std::set<std::string> names = [] {
-    std::string tmpl = (fs::temp_directory_path() / "moe_route_fuzz_cli.XXXXXX").string();
-    if (::mkdtemp(tmpl.data()) == nullptr) fuzz::finding("cannot create a temporary directory");
-    static const fs::path dir = tmpl;
+    const fs::path& dir = fuzz::private_directory("cli");
     fs::current_path(dir);
-    std::atexit([] { std::error_code ec; fs::current_path("/", ec); fs::remove_all(dir, ec); });
     std::vector<float> logits(tokens * experts), prior(prior_rows * experts, 1.0f / experts), bias(experts, 0.0f),
         hidden(tokens, 1.0f), weight(experts, 1.5f);
     for (std::size_t i = 0; i < logits.size(); ++i) logits[i] = static_cast<float>((i * 37) % 17) / 4.0f - 2.0f;

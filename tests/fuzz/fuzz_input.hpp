@@ -9,8 +9,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <string>
+#include <unistd.h>
 
 namespace fuzz {
 
@@ -80,6 +82,26 @@ class input {
 [[noreturn]] inline void finding(const std::string& what) {
   std::fprintf(stderr, "fuzz finding: %s\n", what.c_str());
   std::abort();
+}
+
+// A private directory for the files of one process (under the temporary
+// directory, named after `what`), made on the first call and removed at exit;
+// the process is moved out of it first, in case it works inside.
+inline const std::filesystem::path& private_directory(const char* what) {
+  namespace fs = std::filesystem;
+  static const fs::path dir = [what] {
+    std::string tmpl = (fs::temp_directory_path() / (std::string("moe_route_fuzz_") + what + ".XXXXXX")).string();
+    if (::mkdtemp(tmpl.data()) == nullptr) finding("cannot create a temporary directory");
+    return fs::path(tmpl);
+  }();
+  // Registered once `dir` is constructed, so it runs before `dir` is destroyed.
+  static const int removal = std::atexit([] {
+    std::error_code ec;
+    fs::current_path(fs::temp_directory_path(ec), ec);
+    fs::remove_all(dir, ec);
+  });
+  (void)removal;
+  return dir;
 }
 
 #define FUZZ_CHECK(cond, what)                                   \

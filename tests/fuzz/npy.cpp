@@ -9,27 +9,16 @@
 #include "common.hpp"  // tools/moe-route
 #include "fuzz_input.hpp"
 
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
-#include <unistd.h>
 
 namespace {
 
 namespace fs = std::filesystem;
 namespace cli = moe_route_cli;
 
-// A private directory for the files of one process, removed at exit.
-const fs::path& work_directory() {
-  static const fs::path dir = [] {
-    std::string tmpl = (fs::temp_directory_path() / "moe_route_fuzz_npy.XXXXXX").string();
-    if (::mkdtemp(tmpl.data()) == nullptr) fuzz::finding("cannot create a temporary directory");
-    std::atexit([] { std::error_code ec; fs::remove_all(work_directory(), ec); });
-    return fs::path(tmpl);
-  }();
-  return dir;
-}
+const fs::path& work_directory() { return fuzz::private_directory("npy"); }
 
 // Where the data of a .npy starts (from its version byte and header length);
 // -1 when the file is too short to say.
