@@ -35,6 +35,18 @@ struct data_options {
   std::string train_jsonl, post_jsonl, eval_jsonl, probe_jsonl;
 };
 
+void add_optimiser_options(CLI::App* c, train_options& o) {
+  c->add_option("--adam-beta2", o.beta2, "AdamW beta2");
+  c->add_option("--weight-decay", o.weight_decay, "AdamW weight decay on the weight matrices");
+}
+
+// Every domain's name, in domain order.
+std::vector<std::string> domain_names() {
+  std::vector<std::string> names;
+  for (int d = 0; d < num_domains; ++d) names.push_back(domain_name(static_cast<domain>(d)));
+  return names;
+}
+
 void add_data_options(CLI::App* c, data_options& d) {
   c->add_option("--data-seed", d.seed, "seed of the embedded data set");
   c->add_option("--train-per-domain", d.train, "pretraining examples per domain");
@@ -196,11 +208,12 @@ int main(int argc, char** argv) {
   pre->add_flag("--layer-norm", [&](std::int64_t) { mc.rms_norm = false; }, "LayerNorm instead of RMSNorm");
   pre->add_option("--steps", pre_opt.steps, "training steps");
   pre->add_option("--batch", pre_opt.batch_size, "examples per step");
-  pre->add_option("--lr", pre_opt.lr, "Adam learning rate");
+  pre->add_option("--lr", pre_opt.lr, "peak learning rate");
   pre->add_option("--seed", pre_opt.seed, "initialisation and batch-order seed");
   pre->add_option("--lbl", pre_lbl, "load-balancing coefficient alpha during pretraining");
   pre->add_flag("--answer-only", [&](std::int64_t) { pre_opt.prompt_loss = false; },
                 "train on the answer span only (default: predict the prompt bytes too, as a language model)");
+  add_optimiser_options(pre, pre_opt);
   add_data_options(pre, pre_data);
 
   // posttrain
@@ -244,10 +257,23 @@ int main(int argc, char** argv) {
   post->add_option("--out", post_out, "write the post-trained checkpoint here");
   post->add_option("--steps", post_opt.steps, "training steps");
   post->add_option("--batch", post_opt.batch_size, "examples per step");
-  post->add_option("--lr", post_opt.lr, "Adam learning rate");
+  post->add_option("--lr", post_opt.lr, "peak learning rate");
   post->add_option("--seed", post_opt.seed, "batch-order seed (and shuffle seed)");
   post->add_option("--lbl-alpha", cp.lbl_alpha, "lbl: alpha");
-  post->add_option("--beta", cp.beta, "rpb, within_soft: beta");
+  post->add_option("--beta", cp.beta, "rpb, within_soft: beta (with --calibrate-beta: in units of the calibrated beta)");
+  std::string prior_form_arg = "softmax";
+  post->add_option("--prior-form", prior_form_arg,
+                   "how the prior reads the base router: softmax (RPB, every preset) or gate_scores (the preset's "
+                   "scores normalised to sum 1)");
+  bool calibrate_beta = false;
+  double prior_logit_ratio = 1.0;
+  post->add_flag("--calibrate-beta", calibrate_beta,
+                 "scale beta so that sd(beta b) / sd(z), the prior bias's spread over the router logits', is "
+                 "--prior-logit-ratio (docs/results.md)");
+  post->add_option("--prior-logit-ratio", prior_logit_ratio, "--calibrate-beta: the target ratio (RPB: about 1)");
+  bool freeze_expert_bias = false;
+  post->add_flag("--freeze-expert-bias", freeze_expert_bias,
+                 "do not update the expert bias (it is never updated under a prior condition)");
   post->add_option("--router-l2", cp.router_l2, "router_l2: lambda");
   post->add_option("--kl", cp.kl_to_base, "kl_to_base: coefficient");
   post->add_option("--logit-l2", cp.logit_l2, "logit_l2: coefficient");
@@ -255,7 +281,11 @@ int main(int argc, char** argv) {
   post->add_option("--post-examples", post_examples, "use the first N post-training examples (0: all)");
   post->add_option("--rho", rs.rho, "retention: kept edge fraction");
   post->add_option("--nulls", rs.nulls, "retention: null-model resamples");
+  post->add_option("--detector-seed", rs.seed, "retention: community-detector and null-model seed");
+  std::string detector_arg = "louvain";
+  post->add_option("--detector", detector_arg, "retention: louvain or leiden");
   post->add_flag("--eval-base", eval_base, "also evaluate the base model");
+  add_optimiser_options(post, post_opt);
   add_data_options(post, post_data);
 
   // eval
@@ -304,6 +334,8 @@ int main(int argc, char** argv) {
             {"seed", pre_opt.seed},
             {"steps", pre_opt.steps},
             {"lr", pre_opt.lr},
+            {"beta2", pre_opt.beta2},
+            {"weight_decay", pre_opt.weight_decay},
             {"lbl", pre_lbl},
             {"prompt_loss", pre_opt.prompt_loss},
             {"device", device.str()},
@@ -344,7 +376,10 @@ int main(int argc, char** argv) {
       }
       const rt::admission_config adm =
           admission_of(admission_arg, tau, tau_opt->count() > 0, capacity_factor, fill_factor);
-      rs.seed = post_opt.seed;
+      rs.detector = parse_detector(detector_arg);
+      const prior_form form = parse_prior_form(prior_form_arg);
+      if (calibrate_beta && !(prior_logit_ratio > 0.0))
+        throw std::invalid_argument("--prior-logit-ratio must be positive");
 
       json result = {{"command", "posttrain"}, {"base", base_path}, {"domain", domain_name(dom)},
                      {"condition", condition_name(cond)}, {"seed", post_opt.seed},
@@ -359,18 +394,46 @@ int main(int argc, char** argv) {
       }
       const routing_trace base_trace = probe(*m, probe_set);
       if (cs.prior != prior_source::none) {
-        std::vector<std::vector<float>> pi = build_prior(*m, post_set);
-        if (cs.prior == prior_source::within_shuffle) {
-          const auto comm = communities(base_trace, rs);
-          shuffle_prior(pi, static_cast<int>(c.experts), &comm, post_opt.seed);
-        } else if (cs.prior == prior_source::global_shuffle) {
-          shuffle_prior(pi, static_cast<int>(c.experts), nullptr, post_opt.seed);
+        const int e = static_cast<int>(c.experts);
+        base_prior bp = build_prior(*m, post_set, form);
+        const std::vector<prior_table> unshuffled = prepare_prior(bp.pi, e);
+        // The spreads behind --calibrate-beta, layer means: the prior bias b and the router logits z.
+        double logit_sd = 0.0, bias_sd = 0.0, bias_range = 0.0;
+        for (std::size_t l = 0; l < bp.pi.size(); ++l) {
+          const row_spread b = spread(unshuffled[l].bias, e);
+          logit_sd += bp.logits[l].sd / static_cast<double>(bp.pi.size());
+          bias_sd += b.sd / static_cast<double>(bp.pi.size());
+          bias_range += b.range / static_cast<double>(bp.pi.size());
         }
-        m->set_prior(prepare_prior(pi, static_cast<int>(c.experts)));
+        const double unit = calibrate_beta ? prior_logit_ratio * logit_sd / bias_sd : 1.0;
+        cs.router.prior_bias.beta = static_cast<float>(cp.beta * unit);
+        // beta and the ratio it gives only where the bias is added (the soft prior conditions).
+        const bool soft = cs.router.prior == rt::prior_kind::log_prior_bias;
+        result["prior"] = {{"form", prior_form_name(form)}, {"logit_sd", logit_sd}, {"bias_sd", bias_sd},
+                           {"bias_range", bias_range}, {"calibrated", calibrate_beta},
+                           {"target_ratio", calibrate_beta ? json(prior_logit_ratio) : json(nullptr)},
+                           {"beta_unit", unit}, {"beta", soft ? json(cs.router.prior_bias.beta) : json(nullptr)},
+                           {"ratio", soft ? json(cs.router.prior_bias.beta * bias_sd / logit_sd) : json(nullptr)}};
+        if (cs.prior == prior_source::within_shuffle || cs.prior == prior_source::global_shuffle) {
+          const std::vector<std::vector<float>> original = bp.pi;
+          if (cs.prior == prior_source::within_shuffle) {
+            const auto comm = communities(base_trace, rs);
+            shuffle_prior(bp.pi, e, &comm, post_opt.seed);
+          } else {
+            shuffle_prior(bp.pi, e, nullptr, post_opt.seed);
+          }
+          result["shuffle_validation"] = shuffle_validation(original, bp.pi, e, c.top_k, cs.router.prior_bias.beta);
+          m->set_prior(prepare_prior(bp.pi, e));
+        } else {
+          m->set_prior(unshuffled);
+        }
       }
       post_opt.prior_rows = cs.prior != prior_source::none;
       post_opt.router_l2 = cs.router_l2;
-      post_opt.update_expert_bias = cs.update_expert_bias && !expert_choice;
+      post_opt.update_expert_bias = cs.update_expert_bias && !expert_choice && !freeze_expert_bias;
+      result["expert_bias_updates"] = post_opt.update_expert_bias && rt::selection_uses_bias(cs.router.selection);
+      result["optimiser"] = {{"lr", post_opt.lr}, {"beta2", post_opt.beta2}, {"weight_decay", post_opt.weight_decay},
+                             {"batch", post_opt.batch_size}, {"steps", post_opt.steps}};
       if (cs.router_l2 != 0.0f)
         for (const auto& w : m->router_weights()) post_opt.base_router.push_back(w.detach().clone());
       post_opt.threads = threads;
@@ -406,6 +469,7 @@ int main(int argc, char** argv) {
       }
       const split data = load_data(eval_data, m->config().max_len);
       emit({{"command", "eval"}, {"model", eval_path}, {"eval", metrics_json(evaluate(*m, data.eval))},
+            {"routing", routing_structure(probe(*m, data.probe), domain_names())},
             {"seconds", seconds_since(start)}},
            json_path);
     }

@@ -43,9 +43,12 @@ struct model_config {
   std::int64_t d_model = 64;
   std::int64_t layers = 2;
   std::int64_t heads = 4;
-  std::int64_t experts = 16;  // E = 8 leaves too few co-activation edges for communities
-  int top_k = 2;
-  std::int64_t expert_hidden = 64;   // per routed expert
+  // E = 64, K = 6: Moonlight's and DeepSeek-V2-Lite's routed geometry (the RPB paper's). At E = 16,
+  // K = 2 the co-activation graph has 120 pairs and rho = 0.1 keeps a dozen edges, so most experts are
+  // isolated singleton communities and NMI cannot separate methods.
+  std::int64_t experts = 64;
+  int top_k = 6;
+  std::int64_t expert_hidden = 16;   // per routed expert: fine-grained, K x hidden = 96
   std::int64_t shared_hidden = 128;  // the shared expert
   std::int64_t max_len = 48;         // positions
   bool tie_embeddings = true;

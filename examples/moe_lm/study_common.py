@@ -2,6 +2,9 @@
 driver's jobs a few at a time with a progress display, caching each run's JSON so a study resumes,
 and mean +- sd over seeds. Standard library only."""
 
+import contextlib
+import csv
+import io
 import json
 import math
 import os
@@ -30,6 +33,27 @@ def load_result(path):
         kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(result), "a number")
         raise ValueError(f"{kind}, not a JSON object")
     return result
+
+
+def write_atomic(path, text):
+    """Writes `text` to `path` through a temporary file and a rename, so a reader (or a killed study) never
+    sees a half-written table."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+def csv_text(rows):
+    """The rows (lists) as CSV text."""
+    buf = io.StringIO()
+    csv.writer(buf).writerows(rows)
+    return buf.getvalue()
 
 
 def last_step(log):
@@ -110,16 +134,17 @@ def run_jobs(jobs, workers, study):
     return results
 
 
-def ensure_base(moe_lm, base, gating, steps, study):
-    """Pretrains `base` unless it exists, streaming the driver's progress lines; its JSON goes to base.json,
-    a record for the reader that no study reads back (a damaged one does not matter)."""
+def ensure_base(moe_lm, base, gating, steps, study, extra=()):
+    """Pretrains `base` unless it exists (`extra`: further pretrain flags), streaming the driver's progress
+    lines; its JSON goes to base.json, a record for the reader that no study reads back (a damaged one does
+    not matter)."""
     if os.path.exists(base):
         print(f"{study}: reusing the base checkpoint {base}", flush=True)
         return
     print(f"{study}: pretraining {base} ({steps} steps, {gating} router) ...", flush=True)
     stem = os.path.splitext(base)[0]
     cmd = [moe_lm, "--log-every", "100", "pretrain", "--out", base + ".tmp", "--gating", gating,
-           "--steps", str(steps)]
+           "--steps", str(steps)] + list(extra)
     start = time.time()
     with open(stem + ".json.tmp", "w") as out, open(stem + ".log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The run cache of study_common.run_jobs: a cached result that reads back is reused; one that does
+"""The run cache of study_common.run_jobs and its atomic table writes: a cached result that reads back is reused; one that does
 not (truncated by a kill, or JSON that is not an object) is reported, removed and run again; a job
 whose output is not a JSON object ends the study without caching it. Standard library only:
 
@@ -16,7 +16,7 @@ import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from study_common import Job, run_jobs  # noqa: E402
+from study_common import Job, csv_text, run_jobs, write_atomic  # noqa: E402
 
 # A stand-in for moe_lm: leaves a marker file (so a test sees that it ran) and prints a JSON object.
 FAKE_RUN = ("import json, pathlib, sys; name, markers = sys.argv[1:3]; "
@@ -75,6 +75,27 @@ class RunJobsCache(unittest.TestCase):
             run_jobs([job], 1, "test_study")
         self.assertIn("printed no JSON object (an array, not a JSON object)", str(stop.exception.code))
         self.assertFalse(os.path.exists(job.path))
+
+
+class WriteAtomic(unittest.TestCase):
+    def test_replaces_whole_and_leaves_no_temporary(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "table.csv")
+            write_atomic(path, "old\n")
+            write_atomic(path, csv_text([["a", 1], ["b,c", 2.5]]))
+            with open(path, newline="") as f:
+                self.assertEqual(f.read(), 'a,1\r\n"b,c",2.5\r\n')
+            self.assertEqual(os.listdir(d), ["table.csv"])
+
+    def test_a_failed_write_keeps_the_old_file(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "table.json")
+            write_atomic(path, "{}")
+            with self.assertRaises(TypeError):
+                write_atomic(path, None)  # fails inside the write, after the temporary is opened
+            with open(path) as f:
+                self.assertEqual(f.read(), "{}")
+            self.assertEqual(os.listdir(d), ["table.json"])
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <numeric>
 #include <set>
 #include <string>
 
@@ -327,7 +328,7 @@ void smoke(gating_preset preset, const std::vector<smoke_run>& runs) {
       for (const auto& w : m->router_weights()) o.base_router.push_back(w.detach().clone());
     std::vector<prior_table> tables;
     if (cs.prior != prior_source::none) {
-      auto pi = build_prior(*m, post_set);
+      auto pi = build_prior(*m, post_set).pi;
       if (cs.prior == prior_source::within_shuffle) {
         const auto comm = communities(base_trace, {});
         shuffle_prior(pi, 4, &comm, 1);
@@ -455,7 +456,7 @@ TEST_CASE("the prior acts in training: a large beta changes the training-mode ro
   torch::manual_seed(1);
   auto m = std::make_shared<model>(tiny_config(gating_preset::softmax));
   const auto set = of_domain(data.post, domain::code);
-  m->set_prior(prepare_prior(build_prior(*m, set), 4));
+  m->set_prior(prepare_prior(build_prior(*m, set).pi, 4));
   rt::router_config r = preset_router(m->config());
   r.prior = rt::prior_kind::log_prior_bias;
   r.prior_bias.beta = 20.0f;
@@ -512,3 +513,146 @@ TEST_CASE("training is deterministic for a seed (with admission groups and a pen
   CHECK(run() == run());
 }
 
+
+TEST_CASE("prior forms: the softmax of the router logits on every preset, or the gate scores normalised") {
+  const split data = default_data(7, 8, 6, 4, 4);
+  torch::manual_seed(4);
+  auto m = std::make_shared<model>(tiny_config(gating_preset::sigmoid_bias));
+  const auto set = of_domain(data.post, domain::words);
+  // The reference: the same batch's logits, through torch's softmax or sigmoid, averaged per span row.
+  std::vector<std::size_t> all(set.size());
+  std::iota(all.begin(), all.end(), std::size_t{0});
+  const batch b = make_batch(set, all, 48);
+  routing_context ctx;
+  ctx.mode = moe_route::mode::eval;
+  ctx.keep_logits = true;
+  torch::NoGradGuard g;
+  m->eval();
+  m->forward(b.tokens, ctx);
+  const auto rows = torch::tensor(b.prior_rows, torch::kInt64);
+  const auto counts = torch::bincount(rows, {}, 2 * static_cast<std::int64_t>(set.size())).to(torch::kFloat64);
+  for (prior_form form : {prior_form::softmax, prior_form::gate_scores}) {
+    CAPTURE(prior_form_name(form));
+    const base_prior bp = build_prior(*m, set, form);
+    REQUIRE(bp.pi.size() == 2);
+    for (std::size_t l = 0; l < 2; ++l) {
+      const auto z = m->moe_layers()[l]->last.logits.to(torch::kFloat64);
+      const auto p = form == prior_form::softmax ? torch::softmax(z, 1)
+                                                 : torch::sigmoid(z) / torch::sigmoid(z).sum(1, true);
+      const auto expected = torch::zeros({counts.size(0), 4}, torch::kFloat64).index_add_(0, rows, p) /
+                            counts.unsqueeze(1);
+      const auto got = torch::from_blob(const_cast<float*>(bp.pi[l].data()), {counts.size(0), 4}, torch::kFloat32)
+                           .to(torch::kFloat64);
+      CHECK(max_abs(got - expected) < 1e-6);
+      // The logits' spread: per token the population sd and range over experts, then the mean.
+      CHECK(bp.logits[l].sd == doctest::Approx(z.std(1, false).mean().item<double>()).epsilon(1e-6));
+      CHECK(bp.logits[l].range ==
+            doctest::Approx((std::get<0>(z.max(1)) - std::get<0>(z.min(1))).mean().item<double>()).epsilon(1e-6));
+    }
+  }
+  CHECK_THROWS_WITH_AS(parse_prior_form("sigmoid"), "unknown prior form \"sigmoid\" (softmax, gate_scores)",
+                       std::invalid_argument);
+}
+
+TEST_CASE("row spread: hand values") {
+  const row_spread r = spread({1.0f, 3.0f, 0.0f, 0.0f, 0.0f, 4.0f}, 2);  // rows (1,3), (0,0), (0,4)
+  CHECK(r.sd == doctest::Approx((1.0 + 0.0 + 2.0) / 3.0));
+  CHECK(r.range == doctest::Approx((2.0 + 0.0 + 4.0) / 3.0));
+  CHECK(spread({}, 3).sd == 0.0);
+}
+
+TEST_CASE("AdamW: weight decay moves the weight matrices, never the norm gains") {
+  const split data = default_data(8, 20, 4, 4, 4);
+  const auto step = [&](double decay) {
+    torch::manual_seed(6);
+    auto m = std::make_shared<model>(tiny_config(gating_preset::softmax));
+    train_options o;
+    o.steps = 1;
+    o.batch_size = 8;
+    o.warmup = 0;
+    o.weight_decay = decay;
+    train(*m, data.train, o);
+    return m;
+  };
+  const auto plain = step(0.0), decayed = step(0.5);
+  const auto a = plain->named_parameters(), b = decayed->named_parameters();
+  int gains = 0, matrices = 0;
+  for (const auto& item : a) {
+    CAPTURE(item.key());
+    const auto& other = b[item.key()];
+    if (item.value().dim() >= 2) {
+      CHECK(!torch::equal(item.value(), other));
+      ++matrices;
+    } else {
+      CHECK(torch::equal(item.value(), other));
+      ++gains;
+    }
+  }
+  CHECK(gains > 0);
+  CHECK(matrices > 0);
+}
+
+TEST_CASE("retention: the detector seed is the settings', and the sweep covers every seed, rho and detector") {
+  routing_trace base, post;
+  base.layers = post.layers = 1;
+  base.tokens = post.tokens = 6;
+  base.k = post.k = 2;
+  base.experts = post.experts = 4;
+  base.indices = {0, 1, 0, 1, 2, 3, 2, 3, 0, 1, 2, 3};
+  post.indices = {0, 2, 1, 3, 0, 1, 2, 3, 0, 3, 1, 2};
+  base.domains = post.domains = std::vector<std::int32_t>(6, 0);
+  retention_settings s;
+  s.nulls = 3;
+  s.seed = 7;
+  s.detector = community_detector::leiden;
+  const auto r = retention(base, post, s);
+  CHECK(r["seed"] == 7);
+  CHECK(r["detector"] == "leiden");
+  CHECK(r["edges_base"].get<double>() == 1.0);  // ceil(0.1 * 2 nonzero pairs)
+  CHECK(r["isolated_base"].get<double>() == 2.0);
+  REQUIRE(r["sweep"].size() == 24);
+  std::set<std::string> seen;
+  for (const auto& x : r["sweep"])
+    seen.insert(x["detector"].get<std::string>() + "/" + std::to_string(x["rho"].get<double>()) + "/" +
+                std::to_string(x["seed"].get<int>()));
+  CHECK(seen.size() == 24);
+  CHECK(parse_detector("louvain") == community_detector::louvain);
+  CHECK_THROWS_AS(parse_detector("infomap"), std::invalid_argument);
+}
+
+TEST_CASE("routing structure: sharpness, divergence and span cosines of a hand trace") {
+  routing_trace t;
+  t.layers = 2;
+  t.tokens = 4;
+  t.k = 1;
+  t.experts = 2;
+  // Tokens: (domain, span) = (0, Q), (0, A), (1, Q), (1, A). Layer 0: experts 0 0 1 0; layer 1: 0 1 1 1.
+  t.domains = {0, 0, 1, 1};
+  t.spans = {0, 1, 0, 1};
+  t.indices = {0, 0, 1, 0, 0, 1, 1, 1};
+  const auto j = routing_structure(t, {"x", "y"});
+  // All tokens: layer 0 u = (3/4, 1/4), layer 1 (1/4, 3/4); p = (1/2, 1/2): sharpness 0.
+  CHECK(j["sharpness"].get<double>() == doctest::Approx(0.0));
+  // Domain x: (1, 0) and (1/2, 1/2) -> p = (3/4, 1/4); domain y: (1/2, 1/2), (0, 1) -> (1/4, 3/4).
+  CHECK(j["domains"]["x"]["sharpness"].get<double>() == doctest::Approx(0.5));
+  REQUIRE(j["domain_pairs"].size() == 1);
+  const auto& pair = j["domain_pairs"][0];
+  CHECK(pair["divergence"].get<double>() == doctest::Approx(1.0));
+  CHECK(pair["cosine"].get<double>() == doctest::Approx((3.0 / 16 + 3.0 / 16) / (10.0 / 16)));
+  // Q spans: x's token takes expert 0 in both layers, (1, 0); y's expert 1, (0, 1): cosine 0.
+  CHECK(pair["cosine_q"].get<double>() == doctest::Approx(0.0));
+  // A spans: both tokens take expert 0, then 1: (1/2, 1/2) each, cosine 1.
+  CHECK(pair["cosine_a"].get<double>() == doctest::Approx(1.0));
+}
+
+TEST_CASE("shuffle validation: the identity shuffle changes nothing; a swap of the top experts changes all") {
+  const std::vector<std::vector<float>> pi{{0.7f, 0.2f, 0.1f, 0.0f, 0.4f, 0.3f, 0.2f, 0.1f}};
+  const auto same = shuffle_validation(pi, pi, 4, 1, 1.0f);
+  CHECK(same["topk_overlap"].get<double>() == 1.0);
+  CHECK(same["p90_abs_bias_change"].get<double>() == 0.0);
+  const std::vector<std::vector<float>> swapped{{0.1f, 0.2f, 0.7f, 0.0f, 0.2f, 0.3f, 0.4f, 0.1f}};
+  const auto all = shuffle_validation(pi, swapped, 4, 1, 1.0f);
+  CHECK(all["change_rate"].get<double>() == 1.0);
+  CHECK(all["p90_abs_bias_change"].get<double>() > 0.0);
+  CHECK_THROWS_AS(shuffle_validation(pi, {}, 4, 1, 1.0f), std::invalid_argument);
+}

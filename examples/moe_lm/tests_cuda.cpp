@@ -165,7 +165,7 @@ TEST_CASE("training on CUDA: pretraining, then post-training with the prior, pen
       o.admission_groups = u.groups;
       if (cs.router_l2 != 0.0f)
         for (const auto& w : m->router_weights()) o.base_router.push_back(w.detach().clone());
-      if (cs.prior != prior_source::none) m->set_prior(prepare_prior(build_prior(*m, post_set), 4));
+      if (cs.prior != prior_source::none) m->set_prior(prepare_prior(build_prior(*m, post_set).pi, 4));
       rt::router_config router = cs.router;
       router.locality.coefficient = u.locality;
       m->set_router(router);

@@ -125,7 +125,16 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
   torch::manual_seed(o.seed);
   torch::set_num_threads(o.threads);
   m.train();
-  torch::optim::Adam opt(m.parameters(), torch::optim::AdamOptions(o.lr));
+  // Decay the weight matrices, not the norm gains (the Megatron and Hugging Face convention).
+  std::vector<torch::Tensor> matrices, gains;
+  for (const auto& p : m.parameters()) (p.dim() >= 2 ? matrices : gains).push_back(p);
+  const auto options = [&](double decay) {
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(o.lr).betas({0.9, o.beta2}).weight_decay(decay));
+  };
+  torch::optim::AdamW opt({torch::optim::OptimizerParamGroup(matrices, options(o.weight_decay)),
+                           torch::optim::OptimizerParamGroup(gains, options(0.0))},
+                          torch::optim::AdamWOptions(o.lr).betas({0.9, o.beta2}).weight_decay(o.weight_decay));
   const int warmup = o.warmup >= 0 ? o.warmup : std::min(100, o.steps / 10);
   const auto lr_at = [&](int step) {
     if (step <= warmup) return o.lr * step / (warmup + 1);
@@ -171,7 +180,7 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
     if (o.router_l2 != 0.0f) log.router_l2 = router_l2(m, o.base_router, o.router_l2);
     if (o.clip > 0.0) torch::nn::utils::clip_grad_norm_(m.parameters(), o.clip);
     log.lr = lr_at(step);
-    for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamOptions&>(group.options()).lr(log.lr);
+    for (auto& group : opt.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(log.lr);
     opt.step();
     if (o.update_expert_bias)
       for (const auto& layer : m.moe_layers())
@@ -300,13 +309,41 @@ routing_trace probe(model& m, const std::vector<example>& data, int batch_size) 
       per_layer[l].insert(per_layer[l].end(), idx.data_ptr<std::int32_t>(), idx.data_ptr<std::int32_t>() + idx.numel());
     }
     tr.domains.insert(tr.domains.end(), b.domains.begin(), b.domains.end());
+    for (std::int32_t r : b.prior_rows) tr.spans.push_back(r % 2);
   }
   tr.tokens = static_cast<std::int64_t>(tr.domains.size());
   for (const auto& v : per_layer) tr.indices.insert(tr.indices.end(), v.begin(), v.end());
   return tr;
 }
 
-std::vector<std::vector<float>> build_prior(model& m, const std::vector<example>& data, int batch_size) {
+const char* prior_form_name(prior_form f) { return f == prior_form::softmax ? "softmax" : "gate_scores"; }
+
+prior_form parse_prior_form(const std::string& name) {
+  if (name == "softmax") return prior_form::softmax;
+  if (name == "gate_scores") return prior_form::gate_scores;
+  throw std::invalid_argument("unknown prior form \"" + name + "\" (softmax, gate_scores)");
+}
+
+row_spread spread(const std::vector<float>& table, int experts) {
+  row_spread out;
+  const std::size_t rows = table.size() / static_cast<std::size_t>(experts);
+  if (rows == 0) return out;
+  for (std::size_t r = 0; r < rows; ++r) {
+    const float* row = table.data() + r * static_cast<std::size_t>(experts);
+    double mean = 0.0;
+    for (int e = 0; e < experts; ++e) mean += row[e];
+    mean /= experts;
+    double squares = 0.0;
+    for (int e = 0; e < experts; ++e) squares += (row[e] - mean) * (row[e] - mean);
+    out.sd += std::sqrt(squares / experts);
+    out.range += *std::max_element(row, row + experts) - *std::min_element(row, row + experts);
+  }
+  out.sd /= static_cast<double>(rows);
+  out.range /= static_cast<double>(rows);
+  return out;
+}
+
+base_prior build_prior(model& m, const std::vector<example>& data, prior_form form, int batch_size) {
   torch::NoGradGuard no_grad;
   m.eval();
   const auto& layers = m.moe_layers();
@@ -326,24 +363,28 @@ std::vector<std::vector<float>> build_prior(model& m, const std::vector<example>
     rows.insert(rows.end(), b.prior_rows.begin(), b.prior_rows.end());
   }
   const auto s = static_cast<std::int64_t>(2 * data.size());
-  std::vector<std::vector<float>> pi(layers.size(), std::vector<float>(static_cast<std::size_t>(s) * e));
+  base_prior out;
+  out.pi.assign(layers.size(), std::vector<float>(static_cast<std::size_t>(s) * e));
   for (std::size_t l = 0; l < layers.size(); ++l) {
+    out.logits.push_back(spread(logits[l], e));
     moe_route::route_inputs<float> in;
     in.logits = logits[l].data();
     in.num_tokens = static_cast<std::int64_t>(rows.size());
     in.num_experts = e;
-    switch (layers[l]->router.gating) {
-      case rt::gating_kind::softmax: moe_route::prior::build<moe_route::gating::softmax>(in, rows.data(), s, pi[l].data()); break;
-      case rt::gating_kind::sigmoid: moe_route::prior::build<moe_route::gating::sigmoid>(in, rows.data(), s, pi[l].data()); break;
+    float* pi = out.pi[l].data();
+    const rt::gating_kind gating = form == prior_form::softmax ? rt::gating_kind::softmax : layers[l]->router.gating;
+    switch (gating) {
+      case rt::gating_kind::softmax: moe_route::prior::build<moe_route::gating::softmax>(in, rows.data(), s, pi); break;
+      case rt::gating_kind::sigmoid: moe_route::prior::build<moe_route::gating::sigmoid>(in, rows.data(), s, pi); break;
       case rt::gating_kind::sqrt_softplus:
-        moe_route::prior::build<moe_route::gating::sqrt_softplus>(in, rows.data(), s, pi[l].data());
+        moe_route::prior::build<moe_route::gating::sqrt_softplus>(in, rows.data(), s, pi);
         break;
       case rt::gating_kind::softmax_after_topk:
-        moe_route::prior::build<moe_route::gating::softmax_after_topk>(in, rows.data(), s, pi[l].data());
+        moe_route::prior::build<moe_route::gating::softmax_after_topk>(in, rows.data(), s, pi);
         break;
     }
   }
-  return pi;
+  return out;
 }
 
 std::vector<prior_table> prepare_prior(const std::vector<std::vector<float>>& pi, int experts) {

@@ -54,6 +54,8 @@ struct train_options {
   int warmup = -1;           // linear warm-up steps (< 0: min(100, steps / 10))
   double final_lr_ratio = 0.1;  // cosine decay from lr to lr * final_lr_ratio after the warm-up
   double clip = 1.0;  // global gradient-norm clip (0: none)
+  double beta2 = 0.95;        // AdamW's second-moment decay (RPB App. F: beta = (0.9, 0.95))
+  double weight_decay = 0.1;  // AdamW's decoupled decay, on the weight matrices only (not norm gains)
   std::uint64_t seed = 0;
   int threads = 1;  // torch::set_num_threads (Debian's reference BLAS is single-threaded)
   bool update_expert_bias = true;  // expert_bias selections: selection::expert_bias::update each step
@@ -74,7 +76,9 @@ struct train_result {
   std::int64_t slots = 0;
 };
 
-// Adam on the answer-span loss plus the routers' penalties (and Router-L2).
+// AdamW on the answer-span loss plus the routers' penalties (and Router-L2),
+// with a linear warm-up, a cosine decay and gradient clipping (RPB App. F's
+// schedule, at this model's scale).
 // Deterministic for a seed and thread count.
 train_result train(model& m, const std::vector<example>& data, const train_options& o);
 
@@ -95,10 +99,31 @@ std::string generate(model& m, const std::string& prompt, int max_bytes, bool* e
 // (mode::eval: no prior, no penalty).
 routing_trace probe(model& m, const std::vector<example>& data, int batch_size = 256);
 
-// The RPB prior of `data` under m's routers (eval mode, RPB eq. 2): per layer
-// a [2|data| x E] table whose row 2i (2i + 1) is the mean routing
-// distribution over example i's prompt (answer) span.
-std::vector<std::vector<float>> build_prior(model& m, const std::vector<example>& data, int batch_size = 256);
+// How the prior turns a token's router logits into a distribution over
+// experts: the softmax, on every preset (RPB builds its prior from the
+// softmaxed router probabilities, whatever the gate), or the preset's own
+// gate scores normalised to sum 1 (s / sum s on the sigmoid presets).
+enum class prior_form { softmax, gate_scores };
+const char* prior_form_name(prior_form f);
+// Throws std::invalid_argument naming the known forms.
+prior_form parse_prior_form(const std::string& name);
+
+// Across-expert spread of a [rows x E] table, as means over its rows: the
+// population standard deviation and the range (max - min).
+struct row_spread {
+  double sd = 0.0, range = 0.0;
+};
+row_spread spread(const std::vector<float>& table, int experts);
+
+struct base_prior {
+  // Per layer a [2|data| x E] table whose row 2i (2i + 1) is the mean
+  // distribution over example i's prompt (answer) span (RPB eq. 2).
+  std::vector<std::vector<float>> pi;
+  std::vector<row_spread> logits;  // per layer: the spread of the router logits over the tokens used
+};
+// The RPB prior of `data` under m's routers, in mode::eval.
+base_prior build_prior(model& m, const std::vector<example>& data, prior_form form = prior_form::softmax,
+                       int batch_size = 256);
 // prior::prepare of each layer's table.
 std::vector<prior_table> prepare_prior(const std::vector<std::vector<float>>& pi, int experts);
 

@@ -290,6 +290,30 @@ TEST_CASE("null model: K distinct experts per token, marginals preserved within 
   CHECK_THROWS_AS(an::inclusion_probabilities({1.0, 0.0, 0.0}, 2), moe_route::error);
 }
 
+TEST_CASE("compare_routing: kept edges and isolated experts, counted by hand") {
+  // E = 6, K = 2. Base: tokens pair (0,1) three times and (2,3) once; experts 4 and 5 are never chosen.
+  // Post: (0,1), (0,2), (4,5) once each; expert 3 is never chosen.
+  const std::vector<std::int32_t> base{0, 1, 1, 0, 0, 1, 2, 3}, post{0, 1, 0, 2, 4, 5, 1, 0};
+  an::retention_options o;
+  o.nulls = 0;
+  o.rho = 1.0;  // every nonzero edge kept
+  const an::trace_shape s{1, 4, 2, 6};
+  const auto all = an::compare_routing(base.data(), post.data(), s, o);
+  REQUIRE(all.layers.size() == 1);
+  CHECK(all.layers[0].edges_base == 2);
+  CHECK(all.layers[0].isolated_base == 2);  // 4, 5
+  CHECK(all.layers[0].edges_post == 3);
+  CHECK(all.layers[0].isolated_post == 1);  // 3
+  CHECK(all.mean.edges_post == 3.0);
+  CHECK(all.mean.isolated_base == 2.0);
+  o.rho = 0.1;  // ceil(0.1 * 2) = 1 kept base edge, the heavier (0,1): 2, 3, 4, 5 isolated
+  const auto top = an::compare_routing(base.data(), post.data(), s, o);
+  CHECK(top.layers[0].edges_base == 1);
+  CHECK(top.layers[0].isolated_base == 4);
+  CHECK(top.layers[0].edges_post == 1);
+  CHECK(top.layers[0].isolated_post == 4);
+}
+
 TEST_CASE("compare_routing: identical traces retain everything; deterministic for a fixed seed") {
   const int e = 16, k = 2;
   const std::int64_t n = 400, layers = 2;

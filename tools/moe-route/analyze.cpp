@@ -114,6 +114,7 @@ void run_analyze(const analyze_options& o) {
       layers.push_back({{"tvd", x.tvd}, {"jsd", x.jsd}, {"topk_overlap", x.topk_overlap}, {"nmi", x.nmi},
                         {"q_base", x.q_base}, {"q_post", x.q_post}, {"delta_q", x.delta_q},
                         {"edges_base", x.edges_base}, {"edges_post", x.edges_post},
+                        {"isolated_base", x.isolated_base}, {"isolated_post", x.isolated_post},
                         {"communities_base", x.communities_base.membership},
                         {"communities_post", x.communities_post.membership},
                         {"utilisation_base", x.utilisation_base}, {"utilisation_post", x.utilisation_post},

@@ -8,7 +8,9 @@
 // base and post are index traces [L x N x K] (L = 1 for one layer), -1 =
 // dropped. Per layer:
 //   utilisation u_base, u_post; TVD; JSD (nats); top-k overlap;
-//   co-activation graphs thresholded at rho; communities (Louvain or Leiden,
+//   co-activation graphs thresholded at rho, their kept edges and isolated
+//   experts (no kept edge: a singleton community whatever the detector);
+//   communities (Louvain or Leiden,
 //   seeded, gamma = 1); Q_base, Q_post, Delta Q = Q_post - Q_base; community
 //   NMI(base partition, post partition);
 //   routing sharpness ||u - U||_1 and effective expert fraction of both;
@@ -24,6 +26,7 @@
 // 2^32 + r)) for its trace; every detector call uses `seed` itself.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -62,7 +65,8 @@ struct layer_retention {
   std::vector<double> utilisation_base, utilisation_post;
   double tvd = 0.0, jsd = 0.0, topk_overlap = 0.0;
   partition communities_base, communities_post;
-  std::int64_t edges_base = 0, edges_post = 0;  // kept edges after thresholding
+  std::int64_t edges_base = 0, edges_post = 0;        // kept edges after thresholding
+  std::int64_t isolated_base = 0, isolated_post = 0;  // experts without a kept edge
   double q_base = 0.0, q_post = 0.0, delta_q = 0.0, nmi = 0.0;
   double sharpness_base = 0.0, sharpness_post = 0.0;
   double effective_fraction_base = 0.0, effective_fraction_post = 0.0;
@@ -76,6 +80,7 @@ struct layer_retention {
 struct retention_means {  // unweighted means over layers
   double tvd = 0.0, jsd = 0.0, topk_overlap = 0.0, nmi = 0.0, q_base = 0.0, q_post = 0.0, delta_q = 0.0;
   double sharpness_base = 0.0, sharpness_post = 0.0, effective_fraction_base = 0.0, effective_fraction_post = 0.0;
+  double edges_base = 0.0, edges_post = 0.0, isolated_base = 0.0, isolated_post = 0.0;
   double null_q_mean = 0.0, null_nmi_mean = 0.0, q_margin = 0.0, nmi_margin = 0.0;
   double beats_null_share = 0.0;  // share of layers that beat the null
   std::vector<domain_pair> domain_pairs;
@@ -98,6 +103,13 @@ inline std::uint64_t splitmix64(std::uint64_t x) {
 }
 
 }  // namespace detail
+
+// Experts that are an end of no edge.
+inline std::int64_t isolated_experts(const std::vector<edge>& edges, int experts) {
+  std::vector<char> linked(static_cast<std::size_t>(experts), 0);
+  for (const edge& x : edges) linked[x.i] = linked[x.j] = 1;
+  return static_cast<std::int64_t>(std::count(linked.begin(), linked.end(), 0));
+}
 
 inline std::uint64_t null_seed(std::uint64_t seed, std::int64_t layer, int resample) {
   return detail::splitmix64(seed ^ detail::splitmix64((static_cast<std::uint64_t>(layer) << 32) +
@@ -137,6 +149,8 @@ inline retention_result compare_routing(const std::int32_t* base, const std::int
     const std::vector<edge> ep = threshold_edges(coactivation(p, s.tokens, s.k, s.experts), o.rho);
     r.edges_base = static_cast<std::int64_t>(eb.size());
     r.edges_post = static_cast<std::int64_t>(ep.size());
+    r.isolated_base = isolated_experts(eb, s.experts);
+    r.isolated_post = isolated_experts(ep, s.experts);
     r.communities_base = detect_communities(s.experts, eb, o.method, o.seed, o.resolution);
     r.communities_post = detect_communities(s.experts, ep, o.method, o.seed, o.resolution);
     r.q_base = r.communities_base.modularity;
@@ -188,6 +202,10 @@ inline retention_result compare_routing(const std::int32_t* base, const std::int
     m.sharpness_post += r.sharpness_post * inv;
     m.effective_fraction_base += r.effective_fraction_base * inv;
     m.effective_fraction_post += r.effective_fraction_post * inv;
+    m.edges_base += static_cast<double>(r.edges_base) * inv;
+    m.edges_post += static_cast<double>(r.edges_post) * inv;
+    m.isolated_base += static_cast<double>(r.isolated_base) * inv;
+    m.isolated_post += static_cast<double>(r.isolated_post) * inv;
     m.null_q_mean += r.null_q_mean * inv;
     m.null_nmi_mean += r.null_nmi_mean * inv;
     m.q_margin += r.q_margin * inv;
