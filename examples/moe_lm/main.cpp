@@ -3,10 +3,13 @@
 // z-loss) and one admission policy, printing progress on stderr and the
 // result as JSON on stdout. The RPB and CIPHER studies are loops over
 // `moe_lm posttrain` with different --condition / --admission / --seed.
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <regex>
 #include <stdexcept>
@@ -94,6 +97,36 @@ json id_ood(const std::vector<domain_metrics>& ms, const std::string& in_domain)
   return {{"id", id}, {"ood", others > 0 ? ood : json(nullptr)}};
 }
 
+// Linear-interpolation quantiles (numpy's default) of v at kQuantiles, keyed by the level.
+constexpr double kQuantiles[] = {0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99};
+json quantiles(std::vector<float> v) {
+  if (v.empty()) return nullptr;
+  std::sort(v.begin(), v.end());
+  json q = json::object();
+  for (double level : kQuantiles) {
+    const double pos = level * static_cast<double>(v.size() - 1);
+    const auto lo = static_cast<std::size_t>(pos);
+    const std::size_t hi = std::min(lo + 1, v.size() - 1);
+    char key[16];
+    std::snprintf(key, sizeof key, "%g", level);
+    q[key] = v[lo] + (pos - static_cast<double>(lo)) * (static_cast<double>(v[hi]) - v[lo]);
+  }
+  return q;
+}
+
+json signal_json(const moe_route::analysis::signal_retention_stats& s) {
+  return {{"pools", s.pools},
+          {"available", s.available},
+          {"retained", s.retained},
+          {"natural_retained", s.natural_retained},
+          {"natural_predicted", s.natural_predicted},
+          {"natural_capacity", s.natural_capacity},
+          {"at_budget", s.at_budget},
+          {"retained_at_budget", s.retained_at_budget},
+          {"discriminative", s.discriminative},
+          {"discriminative_kept", s.discriminative_kept}};
+}
+
 json train_json(const train_result& r, int every) {
   double ms = 0.0, expert_ms = 0.0, expert_rows = 0.0, window = 0.0;
   int window_steps = 0;
@@ -117,12 +150,17 @@ json train_json(const train_result& r, int every) {
     std::int64_t executed = 0, peak = 0;
     for (auto v : r.executed_loads[l]) executed += v, peak = std::max(peak, v);
     const double e = static_cast<double>(r.executed_loads[l].size());
-    loads.push_back({{"routed_loads", r.routed_loads[l]},
-                     {"executed_loads", r.executed_loads[l]},
-                     {"top1_share", executed > 0 ? static_cast<double>(peak) / executed : 0.0},
-                     {"peak_to_mean", executed > 0 ? static_cast<double>(peak) * e / executed : 0.0},
-                     {"dropped_rate", r.slots > 0 ? 1.0 - static_cast<double>(executed) / r.slots : 0.0}});
+    json layer = {{"routed_loads", r.routed_loads[l]},
+                  {"executed_loads", r.executed_loads[l]},
+                  {"top1_share", executed > 0 ? static_cast<double>(peak) / executed : 0.0},
+                  {"peak_to_mean", executed > 0 ? static_cast<double>(peak) * e / executed : 0.0},
+                  {"dropped_rate", r.slots > 0 ? 1.0 - static_cast<double>(executed) / r.slots : 0.0}};
+    if (!r.routed_affinities[l].empty()) layer["affinity_quantiles"] = quantiles(r.routed_affinities[l]);
+    if (r.signal_retention[l].pools > 0) layer["signal_retention"] = signal_json(r.signal_retention[l]);
+    loads.push_back(layer);
   }
+  std::vector<float> pooled;
+  for (const auto& a : r.routed_affinities) pooled.insert(pooled.end(), a.begin(), a.end());
   return {{"steps", r.log.size()},
           {"first_loss", r.log.empty() ? 0.0 : r.log.front().task_loss},
           {"last_loss", r.log.empty() ? 0.0 : r.log.back().task_loss},
@@ -130,7 +168,8 @@ json train_json(const train_result& r, int every) {
           {"mean_expert_ms", r.log.empty() ? 0.0 : expert_ms / static_cast<double>(r.log.size())},
           {"mean_expert_rows", r.log.empty() ? 0.0 : expert_rows / static_cast<double>(r.log.size())},
           {"log", log},
-          {"layers", loads}};
+          {"layers", loads},
+          {"affinity_quantiles", quantiles(std::move(pooled))}};
 }
 
 void progress(const char* what, const step_log& s, int steps) {
@@ -246,6 +285,10 @@ int main(int argc, char** argv) {
                    "locality penalty lambda_loc (LocMoE; CIPHER uses 0.01) on top of the condition: each of the "
                    "--groups ranks hosts E / groups experts and routes its micro-batch");
   post->add_flag("--admit-at-eval", admit_at_eval, "admission also when evaluating");
+  float witness_margin = std::numeric_limits<float>::quiet_NaN();
+  post->add_option("--witness-margin", witness_margin,
+                   "check every step's admission against CIPHER's Theorem 1 (analysis::signal_retention): a routed "
+                   "slot with cosine >= this margin is a signal; capacities by --capacity-factor");
   bool pad_experts = false, fixed_router = false, expert_choice = false;
   post->add_flag("--fixed-router", fixed_router,
                  "train with the fixed assignment (t K + j) mod E (CIPHER eq. 3); evaluate with the learned router");
@@ -437,6 +480,17 @@ int main(int argc, char** argv) {
       if (cs.router_l2 != 0.0f)
         for (const auto& w : m->router_weights()) post_opt.base_router.push_back(w.detach().clone());
       post_opt.threads = threads;
+      post_opt.routed_affinities = true;
+      if (!std::isnan(witness_margin)) {
+        if (expert_choice)
+          throw std::invalid_argument("--witness-margin checks token-choice admission, not --expert-choice");
+        moe_route::analysis::signal_retention_options so;
+        so.margin = witness_margin;
+        so.capacity_factor = capacity_factor;
+        post_opt.signal_retention = so;
+        result["signal_retention"] = {{"margin", so.margin}, {"capacity_factor", so.capacity_factor},
+                                      {"eps", so.eps}, {"eta", so.eta}};
+      }
       post_opt.log_every = log_every;
       post_opt.on_log = [&](const step_log& s) { progress(condition_name(cond), s, post_opt.steps); };
       m->set_router(cs.router);

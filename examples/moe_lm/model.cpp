@@ -409,6 +409,7 @@ torch::Tensor moe_ffn::forward(const torch::Tensor& x, const routing_context& ct
   const std::int64_t n = x.size(0), d = x.size(1), e = router_weight.size(0);
   const torch::Tensor logits = torch::matmul(x, router_weight.t());
   torch::Tensor gates;  // [N x slots]: K slots per token, or E under expert choice
+  last.routed_affinity = torch::Tensor();
   if (expert_choice && ctx.mode == moe_route::mode::train) {
     gates = route_expert_choice(logits, *expert_choice, threads, last, ctx.group_ids, ctx.num_groups);
   } else {
@@ -430,11 +431,18 @@ torch::Tensor moe_ffn::forward(const torch::Tensor& x, const routing_context& ct
       call.num_groups = ctx.num_groups;
     }
     torch::Tensor hidden_norms, weight_norms;
-    if (call.admit && admission.affinity == rt::affinity_kind::cosine) {
+    const bool train = ctx.mode == moe_route::mode::train;
+    if (train || (call.admit && admission.affinity == rt::affinity_kind::cosine)) {
       hidden_norms = x.detach().norm(2, 1);
       weight_norms = router_weight.detach().norm(2, 1);
     }
-    gates = route(logits, call, last, hidden_norms, weight_norms)[0];
+    const bool cosine = call.admit && admission.affinity == rt::affinity_kind::cosine;
+    gates = route(logits, call, last, cosine ? hidden_norms : torch::Tensor(), cosine ? weight_norms : torch::Tensor())[0];
+    if (train) {  // one rounded product of the norms, one rounded division: admission's cosine
+      const torch::Tensor slots = last.routed.clamp_min(0).to(torch::kInt64);
+      last.routed_affinity = logits.detach().to(torch::kFloat32).gather(1, slots) /
+                             (hidden_norms.unsqueeze(1) * weight_norms.index_select(0, slots.reshape({-1})).view_as(slots));
+    }
   }
   last.offered = n * router.top_k;
   if (ctx.keep_logits) last.logits = logits.detach().clone();
@@ -459,14 +467,24 @@ torch::Tensor moe_ffn::forward(const torch::Tensor& x, const routing_context& ct
   std::vector<torch::Tensor> ys;
   synchronize(x);
   const auto start = std::chrono::steady_clock::now();
-  last.expert_rows = 0;
-  for (std::int64_t j = 0; j < e; ++j) {
-    const std::int64_t r0 = offsets[static_cast<std::size_t>(j)], r1 = offsets[static_cast<std::size_t>(j) + 1];
-    torch::Tensor in = xe.slice(0, r0, r1);
-    if (pad_experts && peak > r1 - r0) in = torch::cat({in, torch::zeros({peak - (r1 - r0), d}, x.options())}, 0);
-    last.expert_rows += in.size(0);
-    if (in.size(0) == 0) continue;
-    ys.push_back(torch::matmul(torch::silu(torch::matmul(in, w1_[j])), w2_[j]).slice(0, 0, r1 - r0));
+  if (pad_experts) {
+    // Capacity-padded buffers, as expert-parallel ranks hold them: every expert
+    // gets `peak` rows (its own, then zeros), and one batched matmul runs them all.
+    std::vector<std::int64_t> slot(static_cast<std::size_t>(rows));
+    for (std::int64_t j = 0; j < e; ++j)
+      for (std::int64_t r = offsets[static_cast<std::size_t>(j)]; r < offsets[static_cast<std::size_t>(j) + 1]; ++r)
+        slot[static_cast<std::size_t>(r)] = j * peak + r - offsets[static_cast<std::size_t>(j)];
+    const torch::Tensor where = torch::tensor(slot, torch::kInt64).to(x.device());
+    const torch::Tensor buffers = torch::zeros({e * peak, d}, x.options()).index_copy(0, where, xe).view({e, peak, d});
+    ys.push_back(torch::bmm(torch::silu(torch::bmm(buffers, w1_)), w2_).view({e * peak, d}).index_select(0, where));
+    last.expert_rows = e * peak;
+  } else {
+    for (std::int64_t j = 0; j < e; ++j) {
+      const std::int64_t r0 = offsets[static_cast<std::size_t>(j)], r1 = offsets[static_cast<std::size_t>(j) + 1];
+      if (r1 == r0) continue;
+      ys.push_back(torch::matmul(torch::silu(torch::matmul(xe.slice(0, r0, r1), w1_[j])), w2_[j]));
+    }
+    last.expert_rows = rows;
   }
   synchronize(x);
   last.expert_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();

@@ -87,6 +87,9 @@ struct layer_record {
   torch::Tensor executed;   // [N x K] int32, after admission (-1 = dropped)
   torch::Tensor values;     // [5] penalty values (differentiable), runtime::penalty_names order
   torch::Tensor logits;     // [N x E] (keep_logits only)
+  // [N x K] float: the cosine v / (|x_t| |w_e|) of each routed slot, as cosine
+  // admission computes it (training mode, token-choice routing only).
+  torch::Tensor routed_affinity;
   std::vector<std::int64_t> routed_counts;  // [E] selections per expert before admission
   std::vector<std::int64_t> counts;         // [E] executed assignments per expert
   std::int64_t offered = 0;      // N * K: the assignments token-choice routing offers

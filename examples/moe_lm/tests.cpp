@@ -368,20 +368,28 @@ void smoke(gating_preset preset, const std::vector<smoke_run>& runs) {
       CHECK(executed <= tr.slots);
     }
     if (r.admission == "cipher_strict") {
-      // Capacity-padded experts run E x (peak load) rows per layer and compute the same outputs.
+      // Capacity-padded experts (one batched matmul over E x (peak load) rows per layer) compute the
+      // outputs and expert-weight gradients of the per-expert loop.
       const auto tokens = make_batch(data.eval, {0, 1, 2, 3}, 48).tokens;
       routing_context ctx;
       ctx.mode = moe_route::mode::eval;
-      torch::NoGradGuard g;
       m->eval();
-      const auto plain = m->forward(tokens, ctx);
+      const auto run = [&](bool pad) {
+        m->set_expert_padding(pad);
+        m->zero_grad();
+        const auto out = m->forward(tokens, ctx);
+        (out * out).sum().backward();
+        return std::make_pair(out.detach(), m->named_parameters()["block0.moe.w1"].grad().clone());
+      };
+      const auto [plain, plain_grad] = run(false);
       const auto& last = m->moe_layers()[0]->last;
       const std::int64_t peak = *std::max_element(last.counts.begin(), last.counts.end());
       CHECK(last.expert_rows == last.executed.numel());
-      m->set_expert_padding(true);
-      const auto padded = m->forward(tokens, ctx);
+      const auto [padded, padded_grad] = run(true);
       CHECK(m->moe_layers()[0]->last.expert_rows == peak * 4);
       CHECK(max_abs(plain - padded) < 1e-5);
+      CHECK(max_abs(plain_grad - padded_grad) < 1e-4 * std::max(1.0, max_abs(plain_grad)));
+      m->set_expert_padding(false);
     }
     if (!tables.empty()) {
       // Bias-free probe: the same routing with and without the prior table.

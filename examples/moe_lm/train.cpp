@@ -70,6 +70,27 @@ std::vector<std::size_t> range(std::size_t begin, std::size_t end) {
   return v;
 }
 
+// One step of one layer: its routed cosines, and its signal retention when asked.
+void record_signal(const layer_record& rec, const std::vector<std::int32_t>& groups, const train_options& o,
+                   std::vector<float>& affinities, moe_route::analysis::signal_retention_stats& stats) {
+  const torch::Tensor a = rec.routed_affinity.cpu().contiguous();
+  if (o.routed_affinities) affinities.insert(affinities.end(), a.data_ptr<float>(), a.data_ptr<float>() + a.numel());
+  if (!o.signal_retention) return;
+  const torch::Tensor routed = rec.routed.cpu().contiguous(), executed = rec.executed.cpu().contiguous();
+  moe_route::analysis::signal_retention_inputs in;
+  in.routed_indices = routed.data_ptr<std::int32_t>();
+  in.executed_indices = executed.data_ptr<std::int32_t>();
+  in.affinities = a.data_ptr<float>();
+  in.num_tokens = routed.size(0);
+  in.top_k = static_cast<int>(routed.size(1));
+  in.num_experts = static_cast<int>(rec.routed_counts.size());
+  if (!groups.empty()) {
+    in.group_ids = groups.data();
+    in.num_groups = o.admission_groups;
+  }
+  stats += moe_route::analysis::signal_retention(in, *o.signal_retention);
+}
+
 }  // namespace
 
 batch make_batch(const std::vector<example>& data, const std::vector<std::size_t>& which, std::int64_t max_len) {
@@ -150,6 +171,8 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
   const auto e = static_cast<std::size_t>(m.config().experts);
   result.routed_loads.assign(m.moe_layers().size(), std::vector<std::int64_t>(e, 0));
   result.executed_loads = result.routed_loads;
+  result.routed_affinities.resize(m.moe_layers().size());
+  result.signal_retention.resize(m.moe_layers().size());
   for (int step = 1; step <= o.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     std::vector<std::size_t> which;
@@ -199,6 +222,7 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
         result.routed_loads[l][j] += rec.routed_counts[j];
         result.executed_loads[l][j] += rec.counts[j];
       }
+      if (rec.routed_affinity.defined()) record_signal(rec, groups, o, result.routed_affinities[l], result.signal_retention[l]);
     }
     result.slots += m.moe_layers().front()->last.offered;
     result.log.push_back(log);

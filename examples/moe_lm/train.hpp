@@ -4,10 +4,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <torch/torch.h>
+
+#include <moe_route/analysis/signal_retention.hpp>
 
 #include "analysis.hpp"
 #include "data.hpp"
@@ -64,6 +67,10 @@ struct train_options {
   int admission_groups = 1;
   bool prior_rows = false;  // pass r(t) (the model has a prior or a prior-space penalty)
   bool prompt_loss = false; // also predict the prompt bytes (language-model pretraining), not only the answer
+  bool routed_affinities = false;  // keep every routed slot's cosine (train_result::routed_affinities)
+  // When set, every step's admission is checked against CIPHER's Theorem 1
+  // (analysis::signal_retention: the margin, the admission's capacity rule).
+  std::optional<moe_route::analysis::signal_retention_options> signal_retention;
   int log_every = 0;        // call on_log every log_every steps (and at the last)
   std::function<void(const step_log&)> on_log;
 };
@@ -74,6 +81,11 @@ struct train_result {
   // and executed assignments after it; slots = N * K summed over the steps.
   std::vector<std::vector<std::int64_t>> routed_loads, executed_loads;
   std::int64_t slots = 0;
+  // Per layer, over the steps of token-choice training: the cosine of every
+  // routed slot (with options.routed_affinities) and the signal retention
+  // counts (with options.signal_retention).
+  std::vector<std::vector<float>> routed_affinities;
+  std::vector<moe_route::analysis::signal_retention_stats> signal_retention;
 };
 
 // AdamW on the answer-span loss plus the routers' penalties (and Router-L2),

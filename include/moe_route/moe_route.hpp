@@ -7,6 +7,7 @@
 #include <moe_route/admission/admission.hpp>
 #include <moe_route/admission/dispatch.hpp>
 #include <moe_route/analysis/capacity_bounds.hpp>
+#include <moe_route/analysis/signal_retention.hpp>
 #include <moe_route/analysis/workload.hpp>
 #include <moe_route/backend/cpu/admit.hpp>
 #include <moe_route/backend/cpu/backward.hpp>
