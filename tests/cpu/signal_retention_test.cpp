@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <limits>
 #include <map>
-#include <random>
 #include <set>
 #include <string>
 #include <utility>
@@ -21,6 +20,8 @@
 #include <moe_route/backend/cpu/admit.hpp>
 #include <moe_route/backend/cpu/route.hpp>
 #include <moe_route/moe_route.hpp>
+
+#include "admission_cases.hpp"
 
 namespace signal_retention_test {
 
@@ -67,69 +68,38 @@ TEST_CASE("signal_retention: a hand-computed case") {
   CHECK(twice.retained_at_budget == 2);
 }
 
-// A routed batch with cosine affinities per routed slot, exactly as admission computes them.
-struct batch {
-  std::int64_t N = 0;
-  int E = 0, K = 0, G = 1;
-  std::vector<float> z, gates, xn, wn, affinity;
-  std::vector<std::int32_t> routed, groups;
-};
+// The admission tests' batches (a hot quarter of experts, a NaN row, +-inf, an
+// empty last group), and the cosine affinity of every routed slot, exactly as
+// admission computes it.
+using admission_cases::batch;
 
 template <class Router>
-batch make_batch(const Router& r, std::uint32_t seed, std::int64_t N, int E, int G) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::uniform_real_distribution<float> u(0.5f, 2.0f);
-  batch b;
-  b.N = N, b.E = E, b.K = r.top_k, b.G = G;
-  b.z.resize(N * E);
-  for (auto& x : b.z) x = nd(rng);
-  for (std::int64_t t = 0; t < N; ++t)  // a hot quarter of the experts, so capacities bind
-    for (int e = 0; e < (E + 3) / 4; ++e) b.z[t * E + e] += 1.5f;
-  b.xn.resize(N);
-  b.wn.resize(E);
-  for (auto& x : b.xn) x = u(rng);
-  for (auto& x : b.wn) x = u(rng);
-  if (G > 1) {
-    b.groups.resize(N);
-    for (std::int64_t t = 0; t < N; ++t) b.groups[t] = static_cast<std::int32_t>(t * G / N);
-  }
-  b.routed.resize(N * b.K);
-  b.gates.resize(N * b.K);
-  mr::cpu::route(r, mr::route_inputs<float>{b.z.data(), N, E}, mr::route_outputs{b.routed.data(), b.gates.data()});
-  b.affinity.resize(N * b.K);
-  for (std::int64_t t = 0; t < N; ++t)
+std::vector<float> routed_affinities(const Router& r, const batch& b) {
+  std::vector<float> a(b.N * b.K);
+  for (std::int64_t t = 0; t < b.N; ++t)
     for (int j = 0; j < b.K; ++j) {
       const int e = b.routed[t * b.K + j];
-      b.affinity[t * b.K + j] = ad::affinity_of<ad::cosine>(r, b.z.data() + t * E, E, e, b.xn[t], b.wn[e]);
+      a[t * b.K + j] = ad::affinity_of<ad::cosine>(r, b.z.data() + t * b.E, b.E, e, b.xn[t], b.wn[e]);
     }
-  return b;
+  return a;
 }
 
 template <class Router, class Policy>
 std::vector<std::int32_t> admitted(const Router& r, const Policy& p, const batch& b) {
-  mr::admission_inputs<float> in;
-  in.logits = b.z.data();
-  in.num_tokens = b.N;
-  in.num_experts = b.E;
-  in.routed_indices = b.routed.data();
-  in.routed_gates = b.gates.data();
-  in.hidden_norms = b.xn.data();
-  in.weight_norms = b.wn.data();
-  in.group_ids = b.groups.empty() ? nullptr : b.groups.data();
-  in.num_groups = b.G;
   std::vector<std::int32_t> idx(b.N * b.K);
   std::vector<float> gates(b.N * b.K);
   std::vector<std::int8_t> status(b.N * b.K);
-  mr::cpu::admit(r, p, in, mr::admission_outputs{idx.data(), gates.data(), status.data()});
+  mr::cpu::admit(r, p, admission_cases::admission_inputs_of(b, b.z.data()),
+                 mr::admission_outputs{idx.data(), gates.data(), status.data()});
   return idx;
 }
 
-an::signal_retention_inputs inputs_of(const batch& b, const std::vector<std::int32_t>& executed) {
+an::signal_retention_inputs inputs_of(const batch& b, const std::vector<std::int32_t>& executed,
+                                      const std::vector<float>& affinity) {
   an::signal_retention_inputs in;
   in.routed_indices = b.routed.data();
   in.executed_indices = executed.data();
-  in.affinities = b.affinity.data();
+  in.affinities = affinity.data();
   in.num_tokens = b.N;
   in.top_k = b.K;
   in.num_experts = b.E;
@@ -142,13 +112,13 @@ an::signal_retention_inputs inputs_of(const batch& b, const std::vector<std::int
 // discriminative, gathered expert by expert.
 using pool_map = std::map<std::pair<int, int>, std::vector<std::pair<std::int64_t, bool>>>;
 
-pool_map pools_of(const batch& b, float margin) {
+pool_map pools_of(const batch& b, const std::vector<float>& affinity, float margin) {
   pool_map pools;
   for (int e = 0; e < b.E; ++e)
     for (std::int64_t t = 0; t < b.N; ++t)
       for (int j = 0; j < b.K; ++j)
         if (b.routed[t * b.K + j] == e)
-          pools[{b.groups.empty() ? 0 : b.groups[t], e}].push_back({t, b.affinity[t * b.K + j] >= margin});
+          pools[{b.groups.empty() ? 0 : b.groups[t], e}].push_back({t, affinity[t * b.K + j] >= margin});
   return pools;
 }
 
@@ -168,20 +138,21 @@ an::signal_retention_stats check_against_oracle(const Router& r, std::uint32_t s
   CAPTURE(cf);
   CAPTURE(margin);
   CAPTURE(tau);
-  const batch b = make_batch(r, seed, N, E, G);
+  const batch b = admission_cases::make_batch(r, seed, N, E, 0, G, false);
+  const std::vector<float> affinity = routed_affinities(r, b);
   const auto strict = admitted(r, ad::cipher_strict(tau, cf), b);
   const auto natural = admitted(r, ad::capacity_position(cf), b);
   an::signal_retention_options o;
   o.margin = margin;
   o.capacity_factor = cf;
-  const an::signal_retention_stats s = an::signal_retention(inputs_of(b, strict), o);
+  const an::signal_retention_stats s = an::signal_retention(inputs_of(b, strict, affinity), o);
 
   std::int64_t pools = 0, available = 0, retained = 0, natural_retained = 0, discriminative = 0, kept = 0,
                natural_capacity = 0, at_budget = 0, retained_at_budget = 0;
   double predicted = 0.0;
   std::map<int, std::int64_t> group_size;
   for (std::int64_t t = 0; t < b.N; ++t) ++group_size[b.groups.empty() ? 0 : b.groups[t]];
-  for (const auto& [key, pool] : pools_of(b, margin)) {
+  for (const auto& [key, pool] : pools_of(b, affinity, margin)) {
     ++pools;
     std::int64_t d = 0, first = 0;
     bool kept_one = false, natural_one = false;
