@@ -73,6 +73,7 @@ std::vector<std::size_t> range(std::size_t begin, std::size_t end) {
 // One step of one layer: its routed cosines, and its signal retention when asked.
 void record_signal(const layer_record& rec, const std::vector<std::int32_t>& groups, const train_options& o,
                    std::vector<float>& affinities, moe_route::analysis::signal_retention_stats& stats) {
+  if (!o.routed_affinities && !o.signal_retention) return;
   const torch::Tensor a = rec.routed_affinity.cpu().contiguous();
   if (o.routed_affinities) affinities.insert(affinities.end(), a.data_ptr<float>(), a.data_ptr<float>() + a.numel());
   if (!o.signal_retention) return;
