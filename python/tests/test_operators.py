@@ -242,6 +242,11 @@ BAD_ROUTE = [
           weight_norms=torch.ones(E)), ValueError, r"hidden_norms must have shape \[24\]"),
     (dict(admission=mr.Admission.capacity_probs(1.0).to_text(), num_groups=0), ValueError, "num_groups must be >= 1"),
     (dict(num_sequences=2**31), ValueError, r"num_sequences \(= 2147483648\) is outside the int32 range"),
+    # Fits int32, but its per-sequence sums need about 400 GB: refused naming it, not by the allocator.
+    (dict(cfg=mr.RouterConfig(top_k=K, load_balance=1e-2, load_balance_scope="sequence"),
+          sequence_ids=torch.zeros(N, dtype=torch.int32), num_sequences=2**31 - 1), ValueError,
+     r"num_tokens \(= 24\), num_experts \(= 12\) and num_sequences \(= 2147483647\) need a workspace of \d+ bytes,"
+     r" which cannot be allocated on cpu"),
     (dict(rank=-2**31 - 1), ValueError, r"rank \(= -2147483649\) is outside the int32 range"),
     (dict(threads=2**40), ValueError, r"threads \(= 1099511627776\) is outside the int32 range"),
     (dict(logits=_logits().to("meta"), expert_bias=torch.zeros(E),

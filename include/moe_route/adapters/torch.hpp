@@ -252,9 +252,11 @@ inline route_result route(const runtime::router_config& c, const runtime::admiss
     r.penalty_values = detail::zeros_on({runtime::num_penalties}, at::kDouble, where);
     // Zeroed: the bytes route leaves unwritten (alignment padding) are then fixed too, so equal inputs give
     // equal outputs, workspace included (torch.compile's checks compare every output).
-    r.workspace = detail::zeros_on(
-        {static_cast<std::int64_t>(runtime::workspace_bytes(c, n, call.in.num_experts, call.in.num_sequences))},
-        at::kByte, where);
+    r.workspace = detail::zeroed_bytes(
+        runtime::workspace_bytes(c, n, call.in.num_experts, call.in.num_sequences), where, [&] {
+          return "num_tokens (= " + std::to_string(n) + "), num_experts (= " + std::to_string(call.in.num_experts) +
+                 ") and num_sequences (= " + std::to_string(call.in.num_sequences) + ")";
+        });
     r.nonfinite_rows = detail::zeros_on({}, at::kLong, where);
     route_outputs out;
     out.indices = r.indices.data_ptr<std::int32_t>();

@@ -162,6 +162,20 @@ inline at::Tensor zeros_on(at::IntArrayRef sizes, at::ScalarType dtype, const pl
   return t;
 }
 
+// A zeroed byte buffer whose size the caller's arguments set: a size the
+// allocator refuses is reported naming those arguments (sized_by(), called
+// only then), not as the allocator's own error.
+template <class SizedBy>
+at::Tensor zeroed_bytes(std::size_t bytes, const placement& where, SizedBy sized_by) {
+  const auto refused = [&] { return sized_by() + " need a workspace of " + std::to_string(bytes) + " bytes, which "; };
+  if (bytes > static_cast<std::size_t>(INT64_MAX)) value_error(refused() + "no tensor can hold");
+  try {
+    return zeros_on({static_cast<std::int64_t>(bytes)}, at::kByte, where);
+  } catch (const c10::Error&) {
+    value_error(refused() + "cannot be allocated on " + where.device.str());
+  }
+}
+
 // A report struct of int64 counters as an int64 tensor (zeros), and back.
 template <class Report>
 at::Tensor report_tensor(const placement& where) {
