@@ -431,14 +431,14 @@ torch::Tensor moe_ffn::forward(const torch::Tensor& x, const routing_context& ct
       call.num_groups = ctx.num_groups;
     }
     torch::Tensor hidden_norms, weight_norms;
-    const bool train = ctx.mode == moe_route::mode::train;
-    if (train || (call.admit && admission.affinity == rt::affinity_kind::cosine)) {
+    const bool record = record_affinity && ctx.mode == moe_route::mode::train;
+    const bool cosine = call.admit && admission.affinity == rt::affinity_kind::cosine;
+    if (record || cosine) {
       hidden_norms = x.detach().norm(2, 1);
       weight_norms = router_weight.detach().norm(2, 1);
     }
-    const bool cosine = call.admit && admission.affinity == rt::affinity_kind::cosine;
     gates = route(logits, call, last, cosine ? hidden_norms : torch::Tensor(), cosine ? weight_norms : torch::Tensor())[0];
-    if (train) {  // one rounded product of the norms, one rounded division: admission's cosine
+    if (record) {  // one rounded product of the norms, one rounded division: admission's cosine
       const torch::Tensor slots = last.routed.clamp_min(0).to(torch::kInt64);
       last.routed_affinity = logits.detach().to(torch::kFloat32).gather(1, slots) /
                              (hidden_norms.unsqueeze(1) * weight_norms.index_select(0, slots.reshape({-1})).view_as(slots));
@@ -601,6 +601,10 @@ void model::set_prior(const std::vector<prior_table>& tables) {
 
 void model::set_expert_padding(bool pad) {
   for (auto& m : moes_) m->pad_experts = pad;
+}
+
+void model::set_affinity_record(bool record) {
+  for (auto& m : moes_) m->record_affinity = record;
 }
 
 void model::set_router_threads(int threads) {

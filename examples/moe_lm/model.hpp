@@ -88,7 +88,7 @@ struct layer_record {
   torch::Tensor values;     // [5] penalty values (differentiable), runtime::penalty_names order
   torch::Tensor logits;     // [N x E] (keep_logits only)
   // [N x K] float: the cosine v / (|x_t| |w_e|) of each routed slot, as cosine
-  // admission computes it (training mode, token-choice routing only).
+  // admission computes it (training mode, token-choice routing, record_affinity only).
   torch::Tensor routed_affinity;
   std::vector<std::int64_t> routed_counts;  // [E] selections per expert before admission
   std::vector<std::int64_t> counts;         // [E] executed assignments per expert
@@ -126,6 +126,8 @@ class moe_ffn : public torch::nn::Module {
   // padding), as in expert-parallel training with capacity-padded buffers,
   // where the hottest expert sets the step time.
   bool pad_experts = false;
+  // Record the cosine of each routed slot while training (layer_record::routed_affinity).
+  bool record_affinity = false;
   std::shared_ptr<const prior_table> prior;
   int threads = 1;
   layer_record last;
@@ -170,6 +172,7 @@ class model : public torch::nn::Module {
   void set_prior(const std::vector<prior_table>& tables);
   void set_router_threads(int threads);
   void set_expert_padding(bool pad);
+  void set_affinity_record(bool record);
 
   const model_config& config() const { return cfg_; }
   const std::vector<std::shared_ptr<moe_ffn>>& moe_layers() const { return moes_; }

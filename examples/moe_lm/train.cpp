@@ -73,7 +73,6 @@ std::vector<std::size_t> range(std::size_t begin, std::size_t end) {
 // One step of one layer: its routed cosines, and its signal retention when asked.
 void record_signal(const layer_record& rec, const std::vector<std::int32_t>& groups, const train_options& o,
                    std::vector<float>& affinities, moe_route::analysis::signal_retention_stats& stats) {
-  if (!o.routed_affinities && !o.signal_retention) return;
   const torch::Tensor a = rec.routed_affinity.cpu().contiguous();
   if (o.routed_affinities) affinities.insert(affinities.end(), a.data_ptr<float>(), a.data_ptr<float>() + a.numel());
   if (!o.signal_retention) return;
@@ -174,6 +173,7 @@ train_result train(model& m, const std::vector<example>& data, const train_optio
   result.executed_loads = result.routed_loads;
   result.routed_affinities.resize(m.moe_layers().size());
   result.signal_retention.resize(m.moe_layers().size());
+  m.set_affinity_record(o.routed_affinities || o.signal_retention.has_value());
   for (int step = 1; step <= o.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     std::vector<std::size_t> which;
