@@ -36,7 +36,7 @@ if with_cuda:
         define_macros=[("MOE_ROUTE_TORCH_WITH_CUDA", None)],
         extra_compile_args={
             # C++20 for PyTorch 2.15's headers; the .cu sources do not include torch.
-            "cxx": ["-O2", "-std=c++20"],
+            "cxx": ["-O3", "-std=c++20"],
             # torch turns off the half/bfloat16 operators for its own kernels; the library's use them.
             "nvcc": ["-O3", "-std=c++17", "--threads=0", "-U__CUDA_NO_HALF_OPERATORS__",
                      "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
@@ -44,7 +44,7 @@ if with_cuda:
         },
     )
 else:
-    extension = CppExtension("moe_route._C", cpp, include_dirs=[include], extra_compile_args=["-O2", "-std=c++20"])
+    extension = CppExtension("moe_route._C", cpp, include_dirs=[include], extra_compile_args=["-O3", "-std=c++20"])
 
 setup(
     name="moe_route",

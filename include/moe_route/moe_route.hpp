@@ -13,6 +13,7 @@
 #include <moe_route/backend/cpu/backward.hpp>
 #include <moe_route/backend/cpu/dispatch.hpp>
 #include <moe_route/backend/cpu/expert_choice.hpp>
+#include <moe_route/backend/cpu/isa.hpp>
 #include <moe_route/backend/cpu/route.hpp>
 #include <moe_route/conditions.hpp>
 #include <moe_route/config.hpp>

@@ -14,6 +14,14 @@ from .modules import Router
 with_cuda = bool(_C.with_cuda)
 router_max_k = int(_C.router_max_k)
 
-__all__ = ["Admission", "Dispatch", "ExpertChoiceResult", "GATINGS", "GlobalLoadBalance", "PENALTIES", "PRIORS", "Router",
-           "RouteResult", "RouterConfig", "SELECTIONS", "dispatch", "expert_choice", "router_max_k", "prior", "route",
-           "router_l2", "select_experts", "update_expert_bias", "with_cuda"]
+
+def cpu_isa() -> str:
+    """The instruction set the CPU operators run with: "x86-64-v3" (AVX2 + FMA) where
+    the CPU has it, else "baseline"; the environment variable MOE_ROUTE_CPU_ISA
+    (baseline, x86-64-v3) forces one. Every path gives the same bits (docs/python.md)."""
+    return _C.cpu_isa()
+
+
+__all__ = ["Admission", "Dispatch", "ExpertChoiceResult", "GATINGS", "GlobalLoadBalance", "PENALTIES", "PRIORS",
+           "Router", "RouteResult", "cpu_isa", "RouterConfig", "SELECTIONS", "dispatch", "expert_choice",
+           "router_max_k", "prior", "route", "router_l2", "select_experts", "update_expert_bias", "with_cuda"]

@@ -29,6 +29,7 @@
 #include <moe_route/runtime/instantiate.hpp>
 
 #include <moe_route/adapters/torch.hpp>
+#include <moe_route/backend/cpu/isa.hpp>
 
 namespace ad = moe_route::adapters;
 namespace rt = moe_route::runtime;
@@ -495,6 +496,10 @@ double direct_route_seconds(const std::string& config, const tensor& logits, std
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / static_cast<double>(calls);
 }
 
+// The instruction set the CPU operators run their loops with: MOE_ROUTE_CPU_ISA
+// (baseline, x86-64-v3), else the best this CPU has.
+std::string cpu_isa() { return moe_route::cpu::name(moe_route::cpu::isa_of()); }
+
 }  // namespace
 
 TORCH_LIBRARY(moe_route, m) {
@@ -581,4 +586,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("admission_preset", &admission_preset);
   m.def("admission_capacity", &admission_capacity);
   m.def("direct_route_seconds", &direct_route_seconds);
+  m.def("cpu_isa", &cpu_isa);
 }

@@ -28,10 +28,20 @@ int main() {
   in.mode = mr::mode::eval;
   mr::runtime::route(config, in, out);
 
+  // Built with the consumer's default flags, the calls above took the best
+  // instruction set this CPU runs; the baseline loops give the same bits.
+  std::vector<std::int32_t> baseline_indices(tokens * k);
+  std::vector<float> baseline_gates(tokens * k);
+  mr::cpu::route(router, mr::route_inputs<float>{logits.data(), tokens, experts},
+                 mr::route_outputs{baseline_indices.data(), baseline_gates.data()},
+                 mr::cpu::execution{1, mr::cpu::instruction_set::baseline});
+
   float sum = 0.0f;
   for (int j = 0; j < k; ++j) sum += gates[j];
   const bool same = indices == runtime_indices && gates == runtime_gates;
-  std::printf("consumer: token 0 -> expert %d, gate sum %.6f, runtime router %s\n", indices[0], sum,
-              same ? "agrees" : "DIFFERS");
-  return (same && sum > 0.999f && sum < 1.001f) ? 0 : 1;
+  const bool same_paths = indices == baseline_indices && gates == baseline_gates;
+  std::printf("consumer: token 0 -> expert %d, gate sum %.6f, runtime router %s, %s path, baseline path %s\n",
+              indices[0], sum, same ? "agrees" : "DIFFERS", mr::cpu::name(mr::cpu::isa_of()),
+              same_paths ? "agrees" : "DIFFERS");
+  return (same && same_paths && sum > 0.999f && sum < 1.001f) ? 0 : 1;
 }

@@ -132,3 +132,35 @@ TEST_CASE("the fixed selection uses the token's position in the whole call on ev
   for (std::int64_t t = 0; t < N; ++t)
     for (int j = 0; j < 3; ++j) REQUIRE(o.idx[t * 3 + j] == (t * 3 + j) % E);
 }
+
+TEST_CASE("instruction sets: execution.isa resolves to a path this CPU runs, or is refused by name") {
+  using mr::cpu::instruction_set;
+  CHECK(std::string(mr::cpu::name(instruction_set::baseline)) == "baseline");
+  CHECK(std::string(mr::cpu::name(instruction_set::x86_64_v3)) == "x86-64-v3");
+  CHECK(std::string(mr::cpu::name(instruction_set::best)) == "best");
+  CHECK(mr::cpu::isa_of({1, instruction_set::baseline}) == instruction_set::baseline);
+  const bool has_v3 = mr::cpu::detail::cpu_has_x86_64_v3();
+  if (has_v3) {
+    CHECK(mr::cpu::isa_of({1, instruction_set::x86_64_v3}) == instruction_set::x86_64_v3);
+  } else {
+    CHECK_THROWS_WITH_AS(mr::cpu::isa_of({1, instruction_set::x86_64_v3}), doctest::Contains("execution.isa"),
+                         mr::error);
+    // A call that asks for it writes nothing.
+    mr::router<mr::gating::softmax, sel::top_k, 4> r;
+    r.top_k = 2;
+    const std::vector<float> z(4 * 8, 1.0f);
+    std::vector<std::int32_t> idx(8, 77);
+    std::vector<float> gates(8, 7.0f);
+    mr::route_inputs<float> in;
+    in.logits = z.data();
+    in.num_tokens = 4;
+    in.num_experts = 8;
+    CHECK_THROWS_AS(mr::cpu::route(r, in, mr::route_outputs{idx.data(), gates.data()},
+                                   mr::cpu::execution{1, instruction_set::x86_64_v3}),
+                    mr::error);
+    CHECK(idx == std::vector<std::int32_t>(8, 77));
+  }
+  // Without MOE_ROUTE_CPU_ISA (as ctest runs this suite), best is the fastest path the CPU runs.
+  if (std::getenv("MOE_ROUTE_CPU_ISA") == nullptr)
+    CHECK(mr::cpu::isa_of() == (has_v3 ? instruction_set::x86_64_v3 : instruction_set::baseline));
+}

@@ -34,6 +34,22 @@ moe_route_cli_test(route_base 0 SETUP cli_routed EXISTS ${ob} MATCH "routed 256 
   ARGS route --logits ${F}/logits_base.npy --k 2 --out ${F}/base)
 moe_route_cli_test(route_post 0 SETUP cli_routed EXISTS ${op}
   ARGS route --logits ${F}/logits_post.npy --k 2 --out ${F}/post)
+# The instruction sets (MOE_ROUTE_CPU_ISA): the baseline loops write the same
+# files as the default (x86-64-v3 where the CPU has it); an unknown name is
+# refused before anything is written.
+outputs_of(${F}/base_baseline o)
+moe_route_cli_test(route_isa_baseline 0 SETUP cli_routed_baseline EXISTS ${o}
+  ARGS route --logits ${F}/logits_base.npy --k 2 --out ${F}/base_baseline)
+set_tests_properties(cli_route_isa_baseline PROPERTIES ENVIRONMENT MOE_ROUTE_CPU_ISA=baseline)
+foreach(f IN LISTS routed)
+  add_test(NAME cli_route_isa_baseline_same_${f} COMMAND ${CMAKE_COMMAND} -E compare_files ${F}/base/${f}
+           ${F}/base_baseline/${f})
+  set_tests_properties(cli_route_isa_baseline_same_${f} PROPERTIES FIXTURES_REQUIRED "cli_routed;cli_routed_baseline")
+endforeach()
+outputs_of(${F}/isa_unknown o)
+moe_route_cli_test(route_isa_unknown 1 ABSENT ${o} MATCH "MOE_ROUTE_CPU_ISA is 'avx9'"
+  ARGS route --logits ${F}/logits_base.npy --k 2 --out ${F}/isa_unknown)
+set_tests_properties(cli_route_isa_unknown PROPERTIES ENVIRONMENT MOE_ROUTE_CPU_ISA=avx9)
 outputs_of(${F}/r_sigmoid o)
 moe_route_cli_test(route_sigmoid_bias_groups 0 EXISTS ${o}
   ARGS route --logits ${F}/logits_base.npy --k 4 --gating sigmoid --normalize --scaling 2.5

@@ -33,7 +33,8 @@ using moe_route::admission::detail::state_rerouted;
 using moe_route::admission::detail::state_status_mask;
 
 using cpu::detail::parallel_blocks;
-using cpu::detail::resolve_threads;
+using cpu::detail::block_plan;
+using cpu::detail::plan_blocks;
 
 template <class T>
 void sanitized_row(const T* z, int n, float* v) {
@@ -119,14 +120,14 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
       factor_capacity[g] = capacity_from_factor(p.capacity_factor, p.min_capacity, group_tokens[g], k, e_count);
     auto capacity = [&](int g, int e) { return in.capacity != nullptr ? in.capacity[e] : factor_capacity[g]; };
 
-    const int threads = resolve_threads(ex, n_tokens, 512);
+    const block_plan plan = plan_blocks(ex, n_tokens, 512);
     std::vector<std::uint8_t> state(static_cast<std::size_t>(slots));
     std::vector<std::uint64_t> key(static_cast<std::size_t>(slots), 0);
     std::vector<std::int32_t> target(in.routed_indices, in.routed_indices + slots);  // the expert a slot holds
     const std::uint8_t rejected = Policy::reroutes ? state_pending : state_dropped;
 
     // 1. Affinity of every routed slot; tau.
-    parallel_blocks(n_tokens, threads, [&](std::int64_t begin, std::int64_t end, int) {
+    parallel_blocks(n_tokens, plan, [&](std::int64_t begin, std::int64_t end, int) {
       row_buffers buf(e_count);
       for (std::int64_t t = begin; t < end; ++t) {
         if (masked(t)) {
@@ -204,8 +205,8 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
           open_in_group[seg / e_count] += open[seg];
         }
         // 3a. Proposals, per token, against the loads at the start of the round.
-        const int pt_threads = resolve_threads(ex, static_cast<std::int64_t>(pending_tokens.size()), 64);
-        parallel_blocks(static_cast<std::int64_t>(pending_tokens.size()), pt_threads,
+        const block_plan pending_plan = plan_blocks(ex, static_cast<std::int64_t>(pending_tokens.size()), 64);
+        parallel_blocks(static_cast<std::int64_t>(pending_tokens.size()), pending_plan,
                             [&](std::int64_t begin, std::int64_t end, int) {
           row_buffers buf(e_count);
           for (std::int64_t i = begin; i < end; ++i) {
@@ -292,7 +293,7 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
 
     // 4. Admitted indices and gates, per token.
     const bool renorm = renormalizes(p);
-    parallel_blocks(n_tokens, threads, [&](std::int64_t begin, std::int64_t end, int) {
+    parallel_blocks(n_tokens, plan, [&](std::int64_t begin, std::int64_t end, int) {
       row_buffers buf(e_count);
       for (std::int64_t t = begin; t < end; ++t) {
         std::int32_t* admitted = out.indices + t * k;

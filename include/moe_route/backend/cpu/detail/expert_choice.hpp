@@ -35,8 +35,8 @@ expert_choice_report expert_choice(const selection::expert_choice& p, const expe
 
   // Scores s_{t,e}.
   std::vector<float> score(static_cast<std::size_t>(pairs));
-  const int threads = resolve_threads(ex, n_tokens, 256);
-  parallel_blocks(n_tokens, threads, [&](std::int64_t begin, std::int64_t end, int) {
+  const block_plan plan = plan_blocks(ex, n_tokens, 256);
+  parallel_blocks(n_tokens, plan, [&](std::int64_t begin, std::int64_t end, int) {
     row_buffers buf(e_count);
     for (std::int64_t t = begin; t < end; ++t) {
       if (masked(t)) continue;
@@ -70,7 +70,7 @@ expert_choice_report expert_choice(const selection::expert_choice& p, const expe
   std::vector<unsigned char> chosen(static_cast<std::size_t>(pairs), 0);
   constexpr int chunk = 16;
   const std::int64_t chunks = (e_count + chunk - 1) / chunk;
-  parallel_blocks(chunks, resolve_threads(ex, chunks, 1), [&](std::int64_t begin, std::int64_t end, int) {
+  parallel_blocks(chunks, plan_blocks(ex, chunks, 1), [&](std::int64_t begin, std::int64_t end, int) {
     std::vector<float> column(static_cast<std::size_t>(n_members) * chunk);
     std::vector<std::int32_t> histogram(4096);
     std::vector<std::uint64_t> boundary;
@@ -122,7 +122,7 @@ expert_choice_report expert_choice(const selection::expert_choice& p, const expe
 
   // Token-major output, ascending expert order.
   std::vector<std::int64_t> per_token(static_cast<std::size_t>(n_tokens));
-  parallel_blocks(n_tokens, threads, [&](std::int64_t begin, std::int64_t end, int) {
+  parallel_blocks(n_tokens, plan, [&](std::int64_t begin, std::int64_t end, int) {
     for (std::int64_t t = begin; t < end; ++t) {
       int c = 0;
       for (int e = 0; e < e_count; ++e)
@@ -154,7 +154,7 @@ void expert_choice_backward(const expert_choice_inputs<T>& in, const std::int32_
                             float* grad_logits, execution ex) {
   if (in.num_tokens == 0) return;
   const int e_count = in.num_experts;
-  parallel_blocks(in.num_tokens, resolve_threads(ex, in.num_tokens, 256), [&](std::int64_t begin, std::int64_t end, int) {
+  parallel_blocks(in.num_tokens, plan_blocks(ex, in.num_tokens, 256), [&](std::int64_t begin, std::int64_t end, int) {
     row_buffers buf(e_count);
     for (std::int64_t t = begin; t < end; ++t) {
       float* dz = grad_logits + t * e_count;

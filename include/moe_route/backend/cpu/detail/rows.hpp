@@ -30,6 +30,7 @@ struct row_scratch {
   float biased[max_experts];          // z + beta b of a token under log_prior_bias
   penalty_scratch penalties;          // the penalties' row buffers
   std::int32_t counted[max_top_k];    // load_balance::count::top_k: a token's counted experts
+  bool x86_64_v3;                     // the rows run on the run-time x86-64-v3 path (detail/simd.hpp)
 };
 
 // The k largest packed keys (order[e], then the lower e), descending: the
@@ -41,9 +42,9 @@ inline void select_top(const std::uint32_t* order, const std::uint64_t* keys, in
   constexpr int small = 16, large = 32, max_ranked = 64;
   std::uint32_t bound = 0;
   if (k <= small && n >= 2 * small)
-    bound = lane_bound<small>(order, n, k);
+    bound = lane_bound<small>(order, n, k, s.x86_64_v3);
   else if (n >= 2 * large)
-    bound = lane_bound<large>(order, n, k);
+    bound = lane_bound<large>(order, n, k, s.x86_64_v3);
   if (bound == 0) {  // short rows, or fewer than k lanes with a key
     if (keys == nullptr) {
       for (int e = 0; e < n; ++e) s.keys[e] = packed_key(order, e);
@@ -53,7 +54,7 @@ inline void select_top(const std::uint32_t* order, const std::uint64_t* keys, in
     return;
   }
   // Candidates have order >= bound > 0: never masked, packed key = packed_key().
-  const int count = compact_at_least(order, n, bound, s.candidate_experts);
+  const int count = compact_at_least(order, n, bound, s.candidate_experts, s.x86_64_v3);
   std::uint64_t* candidates = s.candidates;
   for (int i = 0; i < count; ++i) candidates[i] = packed_key(order, s.candidate_experts[i]);
   if (count > max_ranked) {
@@ -76,22 +77,9 @@ inline void select_top(const std::uint32_t* order, const std::uint64_t* keys, in
     for (int j = 0; j < k; ++j) best[j] = slots[j];
     return;
   }
-#elif defined(__AVX2__)
-  if (count <= 16) {
-    const __m256i flip = _mm256_set1_epi64x(static_cast<long long>(0x8000000000000000ull));  // unsigned as signed
-    const __m256i iota = _mm256_setr_epi64x(0, 1, 2, 3);
-    __m256i c[4];  // absent lanes load 0, which flips to the smallest value
-    for (int q = 0; q < 4; ++q) {
-      const __m256i in = _mm256_cmpgt_epi64(_mm256_set1_epi64x(count - 4 * q), iota);
-      c[q] = _mm256_xor_si256(_mm256_maskload_epi64(reinterpret_cast<const long long*>(candidates + 4 * q), in), flip);
-    }
-    for (int i = 0; i < count; ++i) {
-      const __m256i ci = _mm256_set1_epi64x(static_cast<long long>(candidates[i] ^ 0x8000000000000000ull));
-      int rank = 0;
-      for (int q = 0; q < 4; ++q)
-        rank += popcount16(static_cast<unsigned>(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(c[q], ci)))));
-      slots[rank < k ? rank : k] = candidates[i];
-    }
+#elif MOE_ROUTE_CPU_AVX2_KERNELS
+  if (count <= 16 && use_avx2(s.x86_64_v3)) {
+    rank_candidates_avx2(candidates, count, k, slots);
     for (int j = 0; j < k; ++j) best[j] = slots[j];
     return;
   }
@@ -160,9 +148,9 @@ struct row_state {
   row_state(row_scratch& scratch, const T* z, int e_count) : s(scratch), num_experts(e_count) {
     v = load_row(z, num_experts, s.v, nonfinite);
     if constexpr (G::shape == gating::kind::row_softmax) {
-      const float m = row_max(v, num_experts);
+      const float m = row_max(v, num_experts, s.x86_64_v3);
       for (int e = 0; e < num_experts; ++e) s.t[e] = G::term(v[e], m);
-      sum = lane_sum(s.t, num_experts);
+      sum = lane_sum(s.t, num_experts, s.x86_64_v3);
     }
   }
 

@@ -6,12 +6,28 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
+#include <moe_route/backend/cpu/detail/isa.hpp>
 #include <moe_route/config.hpp>
 #include <moe_route/detail/numerics.hpp>
+
+// The AVX2 kernels (the *_avx2 functions) exist where the flags enable AVX2
+// without AVX-512, and are called always; and in a baseline build with the
+// run-time x86-64-v3 path (detail/isa.hpp), compiled as target("avx2,fma")
+// functions and called when the row runs on that path (`avx2` below), where
+// they are inlined into the path's copy of the loops.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define MOE_ROUTE_CPU_AVX2_KERNELS 1
+#define MOE_ROUTE_CPU_AVX2_TARGET
+#elif MOE_ROUTE_CPU_RUNTIME_X86_64_V3
+#define MOE_ROUTE_CPU_AVX2_KERNELS 1
+#define MOE_ROUTE_CPU_AVX2_TARGET MOE_ROUTE_CPU_X86_64_V3_TARGET
+#else
+#define MOE_ROUTE_CPU_AVX2_KERNELS 0
+#endif
+
+#if defined(__AVX512F__) || MOE_ROUTE_CPU_AVX2_KERNELS
+#include <immintrin.h>
+#endif
 
 // GCC 12 warns (-W[maybe-]uninitialized) inside its own AVX-512 intrinsics
 // when they are inlined (GCC bug 105593: the intrinsics' operands), so the
@@ -33,8 +49,52 @@ namespace moe_route::cpu::detail {
 
 using moe_route::detail::float_max;
 
+// Whether the AVX2 kernels run: always where the flags enable AVX2, else when
+// the caller's row runs on the run-time x86-64-v3 path.
+inline bool use_avx2([[maybe_unused]] bool x86_64_v3) {
+#if defined(__AVX2__)
+  return true;
+#else
+  return x86_64_v3;
+#endif
+}
+
+#if MOE_ROUTE_CPU_AVX2_KERNELS
+// The floats p[0..min(count, 8)) in lanes 0..7, zeros beyond (never read).
+MOE_ROUTE_CPU_AVX2_TARGET inline __m256 first_lanes_avx2(const float* p, int count) {
+  const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_maskload_ps(p, in);
+}
+
+MOE_ROUTE_CPU_AVX2_TARGET inline float lane_sum_avx2(const float* x, int n) {
+  // Lanes 0-7, 8-15, 16-23, 24-31 in four vectors. A partial last block adds
+  // zeros to the lanes it does not reach: a lane starts at +0 and can never
+  // become -0, so adding +0 leaves it bit-identical.
+  __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0;
+  int base = 0;
+  for (; base + 32 <= n; base += 32) {
+    l0 = _mm256_add_ps(l0, _mm256_loadu_ps(x + base));
+    l1 = _mm256_add_ps(l1, _mm256_loadu_ps(x + base + 8));
+    l2 = _mm256_add_ps(l2, _mm256_loadu_ps(x + base + 16));
+    l3 = _mm256_add_ps(l3, _mm256_loadu_ps(x + base + 24));
+  }
+  if (base < n) {
+    const int rest = n - base;
+    l0 = _mm256_add_ps(l0, first_lanes_avx2(x + base, rest));
+    if (rest > 8) l1 = _mm256_add_ps(l1, first_lanes_avx2(x + base + 8, rest - 8));
+    if (rest > 16) l2 = _mm256_add_ps(l2, first_lanes_avx2(x + base + 16, rest - 16));
+    if (rest > 24) l3 = _mm256_add_ps(l3, first_lanes_avx2(x + base + 24, rest - 24));
+  }
+  const __m256 s8 = _mm256_add_ps(_mm256_add_ps(l0, l2), _mm256_add_ps(l1, l3));  // offsets 16, then 8
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  const __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+  return _mm_cvtss_f32(s1);
+}
+#endif
+
 // Sum of x[0..n) in the canonical order a CUDA warp uses (see numerics.hpp).
-inline float lane_sum(const float* x, int n) {
+inline float lane_sum(const float* x, int n, [[maybe_unused]] bool x86_64_v3) {
 #if defined(__AVX512F__)
   // The same additions in the same pairs: lanes 0-15 and 16-31 are two
   // vectors, a partial last block adds into its first lanes only, and the
@@ -59,36 +119,10 @@ inline float lane_sum(const float* x, int n) {
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   const __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
   return _mm_cvtss_f32(s1);
-#elif defined(__AVX2__)
-  // Lanes 0-7, 8-15, 16-23, 24-31 in four vectors. A partial last block adds
-  // zeros to the lanes it does not reach: a lane starts at +0 and can never
-  // become -0, so adding +0 leaves it bit-identical.
-  __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0;
-  int base = 0;
-  for (; base + 32 <= n; base += 32) {
-    l0 = _mm256_add_ps(l0, _mm256_loadu_ps(x + base));
-    l1 = _mm256_add_ps(l1, _mm256_loadu_ps(x + base + 8));
-    l2 = _mm256_add_ps(l2, _mm256_loadu_ps(x + base + 16));
-    l3 = _mm256_add_ps(l3, _mm256_loadu_ps(x + base + 24));
-  }
-  if (base < n) {
-    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const int rest = n - base;
-    const auto part = [&](int offset) {  // lanes offset.. offset+7 that the block reaches
-      const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest - offset), iota);
-      return _mm256_maskload_ps(x + base + offset, in);
-    };
-    l0 = _mm256_add_ps(l0, part(0));
-    if (rest > 8) l1 = _mm256_add_ps(l1, part(8));
-    if (rest > 16) l2 = _mm256_add_ps(l2, part(16));
-    if (rest > 24) l3 = _mm256_add_ps(l3, part(24));
-  }
-  const __m256 s8 = _mm256_add_ps(_mm256_add_ps(l0, l2), _mm256_add_ps(l1, l3));  // offsets 16, then 8
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  const __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
-  return _mm_cvtss_f32(s1);
 #else
+#if MOE_ROUTE_CPU_AVX2_KERNELS
+  if (use_avx2(x86_64_v3)) return lane_sum_avx2(x, n);
+#endif
   float lanes[moe_route::detail::reduction_lanes] = {};
   int base = 0;
   for (; base + 32 <= n; base += 32)
@@ -100,26 +134,8 @@ inline float lane_sum(const float* x, int n) {
 #endif
 }
 
-// The row maximum, starting from -FLT_MAX so that a row of NaNs (all -inf)
-// keeps a finite maximum. The values are never NaN, so the maximum is the
-// same in any order (up to the sign of a zero maximum, which cannot change
-// exp(v - max)), and it is taken 16 lanes at a time.
-inline float row_max(const float* v, int n) {
-#if defined(__AVX512F__)
-  __m512 mv = _mm512_set1_ps(-float_max);
-  int e = 0;
-  for (; e + 16 <= n; e += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(v + e));
-  if (e < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - e)) - 1u);
-    mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, v + e));
-  }
-  __m256 h = _mm256_max_ps(_mm512_castps512_ps256(mv),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(mv), 1)));
-  __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_max_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-#elif defined(__AVX2__)
+#if MOE_ROUTE_CPU_AVX2_KERNELS
+MOE_ROUTE_CPU_AVX2_TARGET inline float row_max_avx2(const float* v, int n) {
   __m256 a = _mm256_set1_ps(-float_max), b = a;
   int e = 0;
   for (; e + 16 <= n; e += 16) {
@@ -134,7 +150,32 @@ inline float row_max(const float* v, int n) {
   float r = _mm_cvtss_f32(q);
   for (; e < n; ++e) r = moe_route::detail::max(r, v[e]);
   return r;
+}
+#endif
+
+// The row maximum, starting from -FLT_MAX so that a row of NaNs (all -inf)
+// keeps a finite maximum. The values are never NaN, so the maximum is the
+// same in any order (up to the sign of a zero maximum, which cannot change
+// exp(v - max)), and it is taken 16 lanes at a time.
+inline float row_max(const float* v, int n, [[maybe_unused]] bool x86_64_v3) {
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(-float_max);
+  int e = 0;
+  for (; e + 16 <= n; e += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(v + e));
+  if (e < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - e)) - 1u);
+    mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, v + e));
+  }
+  __m256 h = _mm256_max_ps(_mm512_castps512_ps256(mv),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(mv), 1)));
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_max_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
 #else
+#if MOE_ROUTE_CPU_AVX2_KERNELS
+  if (use_avx2(x86_64_v3)) return row_max_avx2(v, n);
+#endif
   constexpr int lanes = 16;
   float m[lanes];
   for (int l = 0; l < lanes; ++l) m[l] = -float_max;
@@ -189,7 +230,7 @@ inline int popcount16(unsigned m) {
 #endif
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if MOE_ROUTE_CPU_AVX2_KERNELS
 // For each 8-bit mask, the positions of its set bits packed into bytes.
 struct compress_table {
   std::uint64_t positions[256];
@@ -206,9 +247,28 @@ constexpr compress_table make_compress_table() {
 inline constexpr compress_table compress_positions = make_compress_table();
 #endif
 
+#if MOE_ROUTE_CPU_AVX2_KERNELS
+// compact_at_least's whole blocks of 8 from e on: their count, e moved past them.
+MOE_ROUTE_CPU_AVX2_TARGET inline int compact_blocks_avx2(const std::uint32_t* order, int n, std::uint32_t threshold,
+                                                        std::int32_t* out, int& e) {
+  int count = 0;
+  const __m256i bound = _mm256_set1_epi32(static_cast<int>(threshold));
+  for (; e + 8 <= n; e += 8) {
+    const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order + e));
+    const __m256i at_least = _mm256_cmpeq_epi32(_mm256_max_epu32(o, bound), o);  // unsigned o >= bound
+    const unsigned m = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(at_least)));
+    const __m256i picked = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(compress_positions.positions[m])));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + count), _mm256_add_epi32(picked, _mm256_set1_epi32(e)));
+    count += popcount16(m);
+  }
+  return count;
+}
+#endif
+
 // The experts e with order[e] >= threshold, ascending, into out (room for
 // n + 16 entries); returns their number.
-inline int compact_at_least(const std::uint32_t* order, int n, std::uint32_t threshold, std::int32_t* out) {
+inline int compact_at_least(const std::uint32_t* order, int n, std::uint32_t threshold, std::int32_t* out,
+                            [[maybe_unused]] bool x86_64_v3) {
   int count = 0, e = 0;
 #if defined(__AVX512F__)
   const __m512i bound = _mm512_set1_epi32(static_cast<int>(threshold));
@@ -220,16 +280,8 @@ inline int compact_at_least(const std::uint32_t* order, int n, std::uint32_t thr
     count += popcount16(m);
     index = _mm512_add_epi32(index, step);
   }
-#elif defined(__AVX2__)
-  const __m256i bound = _mm256_set1_epi32(static_cast<int>(threshold));
-  for (; e + 8 <= n; e += 8) {
-    const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order + e));
-    const __m256i at_least = _mm256_cmpeq_epi32(_mm256_max_epu32(o, bound), o);  // unsigned o >= bound
-    const unsigned m = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(at_least)));
-    const __m256i picked = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(compress_positions.positions[m])));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + count), _mm256_add_epi32(picked, _mm256_set1_epi32(e)));
-    count += popcount16(m);
-  }
+#elif MOE_ROUTE_CPU_AVX2_KERNELS
+  if (use_avx2(x86_64_v3)) count = compact_blocks_avx2(order, n, threshold, out, e);
 #endif
   for (; e < n; ++e) {  // branch-free
     out[count] = e;
@@ -238,11 +290,45 @@ inline int compact_at_least(const std::uint32_t* order, int n, std::uint32_t thr
   return count;
 }
 
+#if MOE_ROUTE_CPU_AVX2_KERNELS
+// lane_bound<16> in two vectors of eight lanes.
+MOE_ROUTE_CPU_AVX2_TARGET inline std::uint32_t lane_bound16_avx2(const std::uint32_t* order, int n, int k) {
+  __m256i a = _mm256_setzero_si256(), b = a;  // lanes 0-7 and 8-15
+  int e = 0;
+  for (; e + 16 <= n; e += 16) {
+    a = _mm256_max_epu32(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order + e)));
+    b = _mm256_max_epu32(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order + e + 8)));
+  }
+  if (e < n) {  // zeros (the identity of the maximum) beyond the row
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int rest = n - e;
+    const __m256i in0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest), iota);
+    const __m256i in1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest - 8), iota);
+    a = _mm256_max_epu32(a, _mm256_maskload_epi32(reinterpret_cast<const int*>(order + e), in0));
+    b = _mm256_max_epu32(b, _mm256_maskload_epi32(reinterpret_cast<const int*>(order + e + 8), in1));
+  }
+  alignas(32) std::uint32_t m[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(m), a);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(m + 8), b);
+  const __m256i flip = _mm256_set1_epi32(static_cast<int>(0x80000000u));  // unsigned order as signed
+  const __m256i as = _mm256_xor_si256(a, flip), bs = _mm256_xor_si256(b, flip);
+  std::uint32_t bound = ~std::uint32_t{0};  // the smallest lane maximum of rank < k
+  for (int i = 0; i < 16; ++i) {
+    const __m256i mi = _mm256_set1_epi32(static_cast<int>(m[i] ^ 0x80000000u));
+    const int rank =
+        popcount16(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(as, mi))))) +
+        popcount16(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(bs, mi)))));
+    bound = rank < k ? std::min(bound, m[i]) : bound;
+  }
+  return bound;
+}
+#endif
+
 // A lower bound of the k-th largest of order[0..n) (n >= 2 Lanes, k <= Lanes):
 // the k-th largest maximum of Lanes interleaved lanes, since k distinct keys
 // reach it. 0 when fewer than k lanes hold a nonzero key.
 template <int Lanes>
-std::uint32_t lane_bound(const std::uint32_t* order, int n, int k) {
+std::uint32_t lane_bound(const std::uint32_t* order, int n, int k, [[maybe_unused]] bool x86_64_v3) {
 #if defined(__AVX512F__)
   if constexpr (Lanes == 16) {
     __m512i m = _mm512_setzero_si512();
@@ -268,37 +354,9 @@ std::uint32_t lane_bound(const std::uint32_t* order, int n, int k) {
     q = _mm_min_epu32(q, _mm_shuffle_epi32(q, 0xb1));
     return static_cast<std::uint32_t>(_mm_cvtsi128_si32(q));
   }
-#elif defined(__AVX2__)
-  if constexpr (Lanes == 16) {
-    __m256i a = _mm256_setzero_si256(), b = a;  // lanes 0-7 and 8-15
-    int e = 0;
-    for (; e + 16 <= n; e += 16) {
-      a = _mm256_max_epu32(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order + e)));
-      b = _mm256_max_epu32(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order + e + 8)));
-    }
-    if (e < n) {  // zeros (the identity of the maximum) beyond the row
-      const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      const int rest = n - e;
-      const __m256i in0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest), iota);
-      const __m256i in1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest - 8), iota);
-      a = _mm256_max_epu32(a, _mm256_maskload_epi32(reinterpret_cast<const int*>(order + e), in0));
-      b = _mm256_max_epu32(b, _mm256_maskload_epi32(reinterpret_cast<const int*>(order + e + 8), in1));
-    }
-    alignas(32) std::uint32_t m[16];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(m), a);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(m + 8), b);
-    const __m256i flip = _mm256_set1_epi32(static_cast<int>(0x80000000u));  // unsigned order as signed
-    const __m256i as = _mm256_xor_si256(a, flip), bs = _mm256_xor_si256(b, flip);
-    std::uint32_t bound = ~std::uint32_t{0};  // the smallest lane maximum of rank < k
-    for (int i = 0; i < 16; ++i) {
-      const __m256i mi = _mm256_set1_epi32(static_cast<int>(m[i] ^ 0x80000000u));
-      const int rank =
-          popcount16(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(as, mi))))) +
-          popcount16(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(bs, mi)))));
-      bound = rank < k ? std::min(bound, m[i]) : bound;
-    }
-    return bound;
-  }
+#elif MOE_ROUTE_CPU_AVX2_KERNELS
+  if constexpr (Lanes == 16)
+    if (use_avx2(x86_64_v3)) return lane_bound16_avx2(order, n, k);
 #endif
   std::uint32_t m[Lanes] = {};
   int base = 0;
@@ -313,6 +371,28 @@ std::uint32_t lane_bound(const std::uint32_t* order, int n, int k) {
   }
   return bound;
 }
+
+#if MOE_ROUTE_CPU_AVX2_KERNELS
+// The rank of each of count <= 16 distinct packed keys among them, each key
+// written to slots[min(rank, k)] (slots has k + 1 entries).
+MOE_ROUTE_CPU_AVX2_TARGET inline void rank_candidates_avx2(const std::uint64_t* candidates, int count, int k,
+                                                          std::uint64_t* slots) {
+  const __m256i flip = _mm256_set1_epi64x(static_cast<long long>(0x8000000000000000ull));  // unsigned as signed
+  const __m256i iota = _mm256_setr_epi64x(0, 1, 2, 3);
+  __m256i c[4];  // absent lanes load 0, which flips to the smallest value
+  for (int q = 0; q < 4; ++q) {
+    const __m256i in = _mm256_cmpgt_epi64(_mm256_set1_epi64x(count - 4 * q), iota);
+    c[q] = _mm256_xor_si256(_mm256_maskload_epi64(reinterpret_cast<const long long*>(candidates + 4 * q), in), flip);
+  }
+  for (int i = 0; i < count; ++i) {
+    const __m256i ci = _mm256_set1_epi64x(static_cast<long long>(candidates[i] ^ 0x8000000000000000ull));
+    int rank = 0;
+    for (int q = 0; q < 4; ++q)
+      rank += popcount16(static_cast<unsigned>(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(c[q], ci)))));
+    slots[rank < k ? rank : k] = candidates[i];
+  }
+}
+#endif
 
 }  // namespace moe_route::cpu::detail
 
