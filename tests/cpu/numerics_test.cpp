@@ -62,6 +62,30 @@ TEST_CASE("detail::exp: special values, flush below -87, overflow") {
   CHECK(md::exp(88.72283935546875f) == ref::finf());  // e^x > FLT_MAX
 }
 
+// exp_nonpositive leaves out steps of exp that are the identity for x <= 0;
+// every non-positive float (-0 through -inf), compared by bits, in blocks
+// the compiler vectorises.
+TEST_CASE("detail::exp_nonpositive: the bits of detail::exp for every x <= 0") {
+  constexpr std::uint32_t first = 0x80000000u, last = 0xff800000u;  // -0, -inf
+  constexpr std::uint32_t block = 1u << 16;
+  std::vector<float> x(block);
+  std::vector<std::uint32_t> a(block), b(block);
+  std::uint64_t mismatches = 0;
+  std::uint32_t first_mismatch = 0;
+  for (std::uint64_t base = first; base <= last; base += block) {
+    const auto count = static_cast<std::uint32_t>(std::min<std::uint64_t>(block, last - base + 1));
+    for (std::uint32_t i = 0; i < count; ++i) x[i] = md::bits_to_float(static_cast<std::uint32_t>(base + i));
+    for (std::uint32_t i = 0; i < count; ++i) a[i] = md::float_to_bits(md::exp(x[i]));
+    for (std::uint32_t i = 0; i < count; ++i) b[i] = md::float_to_bits(md::exp_nonpositive(x[i]));
+    for (std::uint32_t i = 0; i < count; ++i)
+      if (a[i] != b[i] && mismatches++ == 0) first_mismatch = static_cast<std::uint32_t>(base + i);
+  }
+  INFO("first mismatch at bits 0x" << std::hex << first_mismatch);
+  CHECK(mismatches == 0);
+  CHECK(md::exp_nonpositive(-0.0f) == 1.0f);
+  CHECK(md::exp_nonpositive(-ref::finf()) == 0.0f);
+}
+
 // exp(88.72283172607421875f) = 3.40279e38 < FLT_MAX = 3.40282e38 does not
 // overflow (regression: the threshold test was `x >=` this float, giving +inf).
 TEST_CASE("detail::exp: the largest float below ln(FLT_MAX) gives a finite result") {

@@ -29,7 +29,7 @@ struct row_stats {
 inline row_stats softmax_row_stats(const float* v, int n, float* terms) {
   float m = -moe_route::detail::float_max;
   for (int e = 0; e < n; ++e) m = moe_route::detail::max(m, v[e]);
-  for (int e = 0; e < n; ++e) terms[e] = gating::softmax::term(v[e], m);
+  for (int e = 0; e < n; ++e) terms[e] = gating::softmax::row_term(v[e], m);
   return {m, moe_route::detail::canonical_sum(terms, n)};
 }
 

@@ -135,6 +135,31 @@ MOE_ROUTE_HD float exp(float x) {
   return bits_to_float(y);
 }
 
+// exp(x) for x <= 0 (including -inf, never NaN), bit for bit: a softmax term
+// exp(v - max) of a sanitised row is such an argument. Nothing there
+// overflows, n <= 0 needs no two-step scale and NaN cannot occur, so those
+// steps of exp are left out (a third of a vectorised row's instructions).
+// Checked against exp over every non-positive float (tests/cpu/numerics_test.cpp).
+MOE_ROUTE_HD float exp_nonpositive(float x) {
+  const float xc = x > -87.0f ? x : -87.0f;  // the operand order of a vector max
+  const float shifter = 12582912.0f;
+  const float shifted = fma(xc, 1.44269502162933349609375f, shifter);
+  const float n = shifted - shifter;
+  float r = fma(n, -0.693145751953125f, xc);
+  r = fma(n, -1.428606765330187045e-06f, r);
+  float p = 1.98412698412698412e-04f;
+  p = fma(p, r, 1.38888888888888889e-03f);
+  p = fma(p, r, 8.33333333333333333e-03f);
+  p = fma(p, r, 4.16666666666666667e-02f);
+  p = fma(p, r, 1.66666666666666667e-01f);
+  p = fma(p, r, 0.5f);
+  p = fma(p, r, 1.0f);
+  p = fma(p, r, 1.0f);
+  // 2^n: the low bits of `shifted` hold n + 2^22 (its encoding is 0x4b400000 + n).
+  const std::uint32_t y = float_to_bits(p * bits_to_float((float_to_bits(shifted) - 0x4b400000u + 127u) << 23));
+  return bits_to_float(y & ~(0u - static_cast<std::uint32_t>(x < -87.0f)));
+}
+
 // log(1 + u) for u in [0, 1] with a relative error of about one ulp, also
 // for tiny u: log1p(u) = 2 atanh(s), s = u / (2 + u) in [0, 1/3].
 MOE_ROUTE_HD float log1p_unit(float u) {

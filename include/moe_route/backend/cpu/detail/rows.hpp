@@ -149,7 +149,7 @@ struct row_state {
     v = load_row(z, num_experts, s.v, nonfinite);
     if constexpr (G::shape == gating::kind::row_softmax) {
       const float m = row_max(v, num_experts, s.x86_64_v3);
-      for (int e = 0; e < num_experts; ++e) s.t[e] = G::term(v[e], m);
+      for (int e = 0; e < num_experts; ++e) s.t[e] = G::row_term(v[e], m);
       sum = lane_sum(s.t, num_experts, s.x86_64_v3);
     }
   }

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include <moe_route/backend/cpu/detail/simd.hpp>
 #include <moe_route/config.hpp>
 #include <moe_route/detail/numerics.hpp>
 #include <moe_route/detail/reduction.hpp>
@@ -54,6 +55,41 @@ bool biased_row(const T* z, const float* b, float beta, int num_experts, float* 
     out[e] = num::fma(beta, b[e], x);
   }
   return bad != 0;
+}
+
+#if MOE_ROUTE_CPU_AVX2_KERNELS
+// add_fixed_point four doubles at a time. AVX2 has no double -> int64
+// conversion, so the truncated value (an integer below 2^33) is added to 2^52,
+// where the low bits of the double's encoding are the integer itself. p * 2^32
+// is exact, so the fma rounds p * 2^32 + 0.5 once, as the scalar form does.
+MOE_ROUTE_CPU_AVX2_TARGET inline void add_fixed_point4_avx2(__m128 p, std::int64_t* acc) {
+  const __m256d two52 = _mm256_set1_pd(4503599627370496.0);
+  const __m256d y = _mm256_round_pd(
+      _mm256_fmadd_pd(_mm256_cvtps_pd(p), _mm256_set1_pd(penalty::fixed_point_scale), _mm256_set1_pd(0.5)),
+      _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  const __m256i fixed = _mm256_sub_epi64(_mm256_castpd_si256(_mm256_add_pd(y, two52)), _mm256_castpd_si256(two52));
+  __m256i* out = reinterpret_cast<__m256i*>(acc);
+  _mm256_storeu_si256(out, _mm256_add_epi64(_mm256_loadu_si256(out), fixed));
+}
+
+MOE_ROUTE_CPU_AVX2_TARGET inline void add_fixed_point_avx2(const float* p, int n, std::int64_t* acc) {
+  int e = 0;
+  for (; e + 8 <= n; e += 8) {
+    const __m256 p8 = _mm256_loadu_ps(p + e);
+    add_fixed_point4_avx2(_mm256_castps256_ps128(p8), acc + e);
+    add_fixed_point4_avx2(_mm256_extractf128_ps(p8, 1), acc + e + 4);
+  }
+  for (; e < n; ++e) acc[e] += penalty::to_fixed_point(p[e]);
+}
+#endif
+
+// acc[e] += to_fixed_point(p[e]) for e < n (p in [0, 1]): the order-free
+// per-expert sums of a distribution (training/workspace.hpp).
+inline void add_fixed_point(const float* p, int n, std::int64_t* acc, [[maybe_unused]] bool x86_64_v3) {
+#if MOE_ROUTE_CPU_AVX2_KERNELS
+  if (use_avx2(x86_64_v3)) return add_fixed_point_avx2(p, n, acc);
+#endif
+  for (int e = 0; e < n; ++e) acc[e] += penalty::to_fixed_point(p[e]);
 }
 
 // Double sum of term(e) over e < n in the canonical lane order.
@@ -117,7 +153,7 @@ struct penalty_row {
     valid = true;
     if (need_distribution || (softmax_like && need_lse)) {
       if constexpr (softmax_like) {
-        for (int e = 0; e < n; ++e) sc.s[e] = num::exp(sc.v[e] - row_max);
+        for (int e = 0; e < n; ++e) sc.s[e] = num::exp_nonpositive(sc.v[e] - row_max);
       } else {
         for (int e = 0; e < n; ++e) sc.s[e] = G::score(sc.v[e]);
       }
@@ -128,7 +164,7 @@ struct penalty_row {
       if constexpr (softmax_like) {
         lse = row_max + num::log(norm);
       } else {
-        for (int e = 0; e < n; ++e) sc.q[e] = num::exp(sc.v[e] - row_max);
+        for (int e = 0; e < n; ++e) sc.q[e] = num::exp_nonpositive(sc.v[e] - row_max);
         const float sum = num::canonical_sum(sc.q, n);
         lse = row_max + num::log(sum);
         for (int e = 0; e < n; ++e) sc.q[e] = num::div(sc.q[e], sum);
@@ -254,7 +290,8 @@ void clear_token_values(const workspace_view& ws, std::int64_t t) {
 template <class Router, class T>
 MOE_ROUTE_FLATTEN void penalty_forward_row(const Router& r, const route_inputs<T>& in,
                                            const penalty::switches& on, const std::int32_t* counted, std::int64_t t,
-                                           penalty_scratch& sc, penalty_partials& part, const workspace_view& ws) {
+                                           penalty_scratch& sc, bool x86_64_v3, penalty_partials& part,
+                                           const workspace_view& ws) {
   using traits = penalty::penalty_traits<Router>;
   const int E = in.num_experts, k = r.top_k;
   clear_token_values<Router>(ws, t);
@@ -263,11 +300,11 @@ MOE_ROUTE_FLATTEN void penalty_forward_row(const Router& r, const route_inputs<T
   if (!row.valid) return;
   ++part.valid_tokens;
   if (traits::distribution_space && on.distribution) {
-    for (int e = 0; e < E; ++e) part.distribution_sums[e] += penalty::to_fixed_point(sc.p[e]);
+    add_fixed_point(sc.p, E, part.distribution_sums.data(), x86_64_v3);
     if (penalty::over_sequences(r)) {
       const std::int64_t s = in.sequence_ids[t];
       ++part.sequence_tokens[s];
-      for (int e = 0; e < E; ++e) part.sequence_sums[s * E + e] += penalty::to_fixed_point(sc.p[e]);
+      add_fixed_point(sc.p, E, part.sequence_sums.data() + s * E, x86_64_v3);
       for (int j = 0; j < k; ++j) ++part.sequence_counts[s * E + counted[j]];
     } else if (counts_selections(r)) {
       for (int j = 0; j < k; ++j) ++part.counts[counted[j]];
