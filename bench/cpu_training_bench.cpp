@@ -31,12 +31,12 @@
 // indices) and penalty values within tolerance; a coefficient of 0 gives the
 // plain router's bits and value 0. It aborts if a check fails.
 //
-// Also, outside a router step (1 thread, no execution argument):
-//   prior_build/E64, /E256   prior::build<gating::softmax> of N = 16384 tokens
+// Also, outside a router step:
+//   prior_build/E64, /E256   prior::build<gating::softmax> of N = 16384 tokens, 1 and 2 threads
 //     into S = 64 rows (rows[t] = t S / N, every 10th token -1), against
 //     LibTorch softmax + index_add_ + division by bincount (torch_prior.cpp);
-//     checked: max |diff| <= 1e-6;
-//   router_l2/L27_2048x64    penalty::router_l2{1e4}.apply over 27 layers of
+//     checked: max |diff| <= 1e-6, and 2 threads give the 1-thread bits;
+//   router_l2/L27_2048x64    (1 thread) penalty::router_l2{1e4}.apply over 27 layers of
 //     2048 x 64 router weights (DeepSeek-V2-Lite-like), gradients accumulated,
 //     against LibTorch ((W - W0)^2).sum() (in double) * lambda / L and
 //     grad.add_((W - W0) * 2 lambda / L); checked: value rel diff <= 1e-9,
@@ -356,12 +356,12 @@ struct build_case {
     for (std::int64_t t = 0; t < num_tokens; ++t)
       rows[t] = t % 10 == 0 ? -1 : static_cast<std::int32_t>(t * build_rows / num_tokens);
   }
-  std::string name(bool torch) const {
-    return "prior_build/E" + std::to_string(experts) + (torch ? "/libtorch/t1" : "/library/t1");
+  std::string name(bool torch, int threads = 1) const {
+    return "prior_build/E" + std::to_string(experts) + (torch ? "/libtorch/t" : "/library/t") + std::to_string(threads);
   }
-  void run_library() {
+  void run_library(int threads = 1) {
     mr::prior::build<mr::gating::softmax>(mr::route_inputs<float>{logits.data(), num_tokens, experts}, rows.data(),
-                                          build_rows, prior.data());
+                                          build_rows, prior.data(), mr::cpu::execution{threads});
   }
 };
 
@@ -405,7 +405,10 @@ std::vector<moe_route_bench::torch_router_l2::layer> torch_layers(const l2_case&
 #endif
 
 void check_build(build_case& c) {
+  c.run_library(2);
+  const std::vector<float> two_threads = c.prior;
   c.run_library();
+  if (two_threads != c.prior) die(c.name(false) + ": 1 and 2 threads give different priors");
 #if MOE_ROUTE_BENCH_WITH_TORCH
   moe_route_bench::torch_router::set_threads(1);
   auto& tb = torch_build_for(c);
@@ -453,19 +456,20 @@ void check_l2(l2_case& c) {
 
 // The LibTorch peer first, then the library.
 void register_extras(std::vector<std::unique_ptr<build_case>>& builds, l2_case& l2) {
-  for (auto& bp : builds) {
-    build_case* c = bp.get();
+  for (const int threads : {1, 2})
+    for (auto& bp : builds) {
+      build_case* c = bp.get();
 #if MOE_ROUTE_BENCH_WITH_TORCH
-    bench::add_benchmark(c->name(true), [c](benchmark::State& state) {
-      auto& tb = torch_build_for(*c);
-      moe_route_bench::torch_router::set_threads(1);
-      bench::time_loop(state, num_tokens, [&] { tb.run(); });
-    });
+      bench::add_benchmark(c->name(true, threads), [c, threads](benchmark::State& state) {
+        auto& tb = torch_build_for(*c);
+        moe_route_bench::torch_router::set_threads(threads);
+        bench::time_loop(state, num_tokens, [&] { tb.run(); });
+      });
 #endif
-    bench::add_benchmark(c->name(false), [c](benchmark::State& state) {
-      bench::time_loop(state, num_tokens, [&] { c->run_library(); });
-    });
-  }
+      bench::add_benchmark(c->name(false, threads), [c, threads](benchmark::State& state) {
+        bench::time_loop(state, num_tokens, [&] { c->run_library(threads); });
+      });
+    }
   l2_case* c = &l2;
 #if MOE_ROUTE_BENCH_WITH_TORCH
   bench::add_benchmark(l2_case::name(true), [c](benchmark::State& state) {
@@ -568,14 +572,16 @@ void print_extras(const std::vector<std::string>& names, const ratio_reporter& r
   bool any = false;
   for (const std::string& n : names) any = any || rep.best(n + "/library/t1") >= 0;
   if (!any) return;
-  std::printf("\nOutside the router step, 1 thread, calling thread's CPU time, fastest repetition. lib/torch < 1: the "
-              "library is faster.\n\n| case | lib µs | LibTorch µs | lib/torch |\n|---|---:|---:|---:|\n");
-  for (const std::string& n : names) {
-    const double l = rep.best(n + "/library/t1"), t = rep.best(n + "/libtorch/t1");
-    if (l < 0) continue;
-    std::printf("| %s | %s | %s | %s |\n", n.c_str(), bench::micros(l).c_str(), bench::micros(t).c_str(),
-                bench::ratio(l, t).c_str());
-  }
+  std::printf("\nOutside the router step, fastest repetition; 1 thread: calling thread's CPU time, 2 threads: wall "
+              "clock. lib/torch < 1: the library is faster.\n\n| case | threads | lib µs | LibTorch µs | lib/torch |\n"
+              "|---|---:|---:|---:|---:|\n");
+  for (const char* threads : {"1", "2"})
+    for (const std::string& n : names) {
+      const double l = rep.best(n + "/library/t" + threads), t = rep.best(n + "/libtorch/t" + threads);
+      if (l < 0) continue;
+      std::printf("| %s | %s | %s | %s | %s |\n", n.c_str(), threads, bench::micros(l).c_str(),
+                  bench::micros(t).c_str(), bench::ratio(l, t).c_str());
+    }
 }
 
 }  // namespace

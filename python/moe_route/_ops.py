@@ -115,7 +115,7 @@ def _router_l2_fake(weights, base, coefficient):
 
 
 @torch.library.register_fake("moe_route::prior_build")
-def _prior_build_fake(logits, rows, num_rows, gating):
+def _prior_build_fake(logits, rows, num_rows, gating, threads):
     return _empty((num_rows, logits.shape[1]), torch.float32, logits), _empty((num_rows,), torch.int64, logits)
 
 

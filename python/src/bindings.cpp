@@ -209,9 +209,9 @@ std::tuple<tensor, std::vector<tensor>> router_l2(at::TensorList weights, at::Te
 }
 
 std::tuple<tensor, tensor> prior_build(const tensor& logits, const tensor& rows, std::int64_t num_rows,
-                                       c10::string_view gating) {
+                                       c10::string_view gating, std::int64_t threads) {
   const rt::gating_kind g = parsed([&] { return ad::detail::gating_of(gating); });
-  const ad::prior_build_result r = ad::prior_build(g, logits, rows, num_rows);
+  const ad::prior_build_result r = ad::prior_build(g, logits, rows, num_rows, threads_of(threads));
   return {r.pi, r.row_tokens};
 }
 
@@ -535,7 +535,7 @@ TORCH_LIBRARY(moe_route, m) {
       "expert_choice_backward(Tensor grad_gates, Tensor logits, Tensor indices, Tensor? token_mask, int threads) -> "
       "Tensor");
   m.def("router_l2(Tensor[] weights, Tensor[] base, float coefficient) -> (Tensor value, Tensor[] grads)");
-  m.def("prior_build(Tensor logits, Tensor rows, int num_rows, str gating) -> (Tensor pi, Tensor row_tokens)");
+  m.def("prior_build(Tensor logits, Tensor rows, int num_rows, str gating, int threads) -> (Tensor pi, Tensor row_tokens)");
   m.def("prior_prepare(Tensor pi, float epsilon, float cap) -> (Tensor bias, Tensor probs, Tensor report)");
   m.def("expert_bias_update(Tensor(a!) expert_bias, Tensor loads, float rate) -> ()");
 }

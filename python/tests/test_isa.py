@@ -12,7 +12,8 @@ import moe_route as mr
 
 # One process per path: the variable is read once per process. The script routes
 # (forward and backward, every penalty, a prior, admission) on each gating and
-# selection, and runs expert choice; it prints its path and a digest of the bits.
+# selection, runs expert choice and the prior builder; it prints its path and a
+# digest of the bits.
 SCRIPT = r"""
 import hashlib, torch, moe_route as mr
 g = torch.Generator().manual_seed(7)
@@ -46,6 +47,10 @@ for e, cfg in configs:
     add(res.indices, res.gates, res.routed_gates, res.penalty_values, z.grad)
 ec = mr.expert_choice(torch.randn(500, 40, generator=g), top_k=3)
 add(ec.indices, ec.gates)
+for gating in ("softmax", "sigmoid", "sqrt_softplus", "softmax_after_topk"):
+    pi, _ = mr.prior.build(torch.randn(900, 72, generator=g) * 3,
+                           torch.randint(-1, 5, (900,), generator=g, dtype=torch.int32), 6, gating, threads=2)
+    add(pi)
 print(mr.cpu_isa(), digest.hexdigest())
 """
 

@@ -123,7 +123,7 @@ def test_opcheck_expert_choice_router_l2_prior_and_bias():
     base = [w.detach() + 0.1 * torch.randn(E, 8) for w in weights]
     torch.library.opcheck(ops.router_l2.default, (weights, base, 1e2))
     rows = torch.arange(N, dtype=torch.int32) % 3
-    torch.library.opcheck(ops.prior_build.default, (z.detach(), rows, 4, "softmax"))
+    torch.library.opcheck(ops.prior_build.default, (z.detach(), rows, 4, "softmax", 1))
     pi = torch.softmax(torch.randn(3, E), dim=1)
     torch.library.opcheck(ops.prior_prepare.default, (pi, 0.05, 5.0))
     torch.library.opcheck(ops.expert_bias_update.default, (torch.zeros(E), torch.arange(E, dtype=torch.float64), 1e-3))
@@ -298,11 +298,11 @@ def test_other_operators_reject_bad_input():
     with pytest.raises(ValueError, match=r"layer 0 base must have shape \[2, 3\], got \[3, 2\]"):
         ops.router_l2([torch.zeros(2, 3)], [torch.zeros(3, 2)], 1.0)
     with pytest.raises(ValueError, match="num_rows must be >= 1"):
-        ops.prior_build(z, torch.zeros(N, dtype=torch.int32), 0, "softmax")
+        ops.prior_build(z, torch.zeros(N, dtype=torch.int32), 0, "softmax", 1)
     with pytest.raises(ValueError, match=r"rows must have shape \[24\]"):
-        ops.prior_build(z, torch.zeros(N - 1, dtype=torch.int32), 2, "softmax")
+        ops.prior_build(z, torch.zeros(N - 1, dtype=torch.int32), 2, "softmax", 1)
     with pytest.raises(ValueError, match="gating = 'relu' is not one of"):
-        ops.prior_build(z, torch.zeros(N, dtype=torch.int32), 2, "relu")
+        ops.prior_build(z, torch.zeros(N, dtype=torch.int32), 2, "relu", 1)
     with pytest.raises(TypeError, match="pi must be torch.float32"):
         ops.prior_prepare(torch.ones(2, E, dtype=torch.float64), 0.05, 5.0)
     bias = torch.linspace(-1, 1, E)

@@ -71,6 +71,9 @@ def test_build_is_the_mean_base_distribution_per_row(gating, gen):
     # bf16 base logits: the result of their fp32 values
     pi16, _ = mr.prior.build(z.bfloat16(), rows.int(), s, gating)
     assert torch.equal(pi16, mr.prior.build(z.bfloat16().float(), rows, s, gating)[0])
+    # the same bits on any number of threads
+    for threads in (1, 3, 0):
+        assert torch.equal(mr.prior.build(z, rows, s, gating, threads=threads)[0], pi)
 
 
 # ---------------------------------------------------------------------------

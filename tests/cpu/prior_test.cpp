@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <set>
@@ -246,4 +248,124 @@ TEST_CASE("prior-side validation statistics on hand-built cases") {
   // Upper clamp: with cap 1.2, the bound is 0.3: 0.4 and 0.3 are at the bound.
   const auto clamped = mr::prior::validate_shuffle(pi.data(), shuffled.data(), 1, e, 2, 1.0f, {0.05f, 1.2f});
   CHECK(clamped.upper_clamp_fraction == doctest::Approx(0.5));
+}
+
+namespace {
+
+// prior::build's contract (docs/policies.md section 3.2) replayed one token
+// at a time in the plainest form: the sanitised row, its terms (detail::exp of
+// v - max, or the elementwise score), their sum in the 32-lane order, each
+// quotient rounded to 2^-32 units, the mean in double.
+template <class Gating>
+std::vector<float> replayed_prior(const std::vector<float>& z, int e, const std::vector<std::int32_t>& rows,
+                                  std::int64_t num_rows) {
+  const auto n = static_cast<std::int64_t>(rows.size());
+  std::vector<std::int64_t> sums(num_rows * e, 0), count(num_rows, 0);
+  std::vector<float> v(e), t(e);
+  for (std::int64_t tok = 0; tok < n; ++tok) {
+    if (rows[tok] < 0) continue;
+    ++count[rows[tok]];
+    float m = -mr::detail::float_max;
+    for (int i = 0; i < e; ++i) {
+      v[i] = mr::detail::sanitize(z[tok * e + i]);
+      m = std::max(m, v[i]);
+    }
+    for (int i = 0; i < e; ++i) {
+      if constexpr (Gating::shape == mr::gating::kind::elementwise)
+        t[i] = Gating::score(v[i]);
+      else
+        t[i] = mr::detail::exp(v[i] - m);
+    }
+    float lanes[32] = {};
+    for (int i = 0; i < e; ++i) lanes[i % 32] += t[i];
+    for (int half = 16; half > 0; half /= 2)
+      for (int l = 0; l < half; ++l) lanes[l] += lanes[l + half];
+    if (!(lanes[0] > 0.0f)) continue;
+    for (int i = 0; i < e; ++i) {
+      const float p = t[i] / lanes[0];
+      sums[rows[tok] * e + i] += static_cast<std::int64_t>(static_cast<double>(p) * 4294967296.0 + 0.5);
+    }
+  }
+  std::vector<float> pi(num_rows * e, 0.0f);
+  for (std::int64_t r = 0; r < num_rows; ++r)
+    for (int i = 0; i < e && count[r] > 0; ++i)
+      pi[r * e + i] = static_cast<float>(static_cast<double>(sums[r * e + i]) / 4294967296.0 / count[r]);
+  return pi;
+}
+
+template <class Gating>
+void check_prior_bits(int e, std::int64_t n, std::int64_t num_rows, std::uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.0f, 3.0f);
+  std::uniform_int_distribution<std::int32_t> row(-1, static_cast<std::int32_t>(num_rows) - 2);  // last row empty
+  std::vector<float> z(n * e);
+  for (auto& x : z) x = d(gen);
+  // non-finite rows, a row of ties, a row of NaNs, bf16-rounded values
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(), 3.0e38f, -3.0e38f};
+  for (std::int64_t t = 0; t < n; t += 7) z[t * e + (t % e)] = specials[t % 5];
+  if (n > 3) std::fill(z.begin() + 2 * e, z.begin() + 3 * e, 0.5f);
+  if (n > 4) std::fill(z.begin() + 3 * e, z.begin() + 4 * e, std::numeric_limits<float>::quiet_NaN());
+  std::vector<std::int32_t> rows(n);
+  for (auto& r : rows) r = row(gen);  // not sorted: rows interleave
+  const std::vector<float> want = replayed_prior<Gating>(z, e, rows, num_rows);
+  const mr::route_inputs<float> in{z.data(), n, e};
+  std::vector<mr::cpu::instruction_set> isas = {mr::cpu::instruction_set::baseline};
+  if (mr::cpu::detail::cpu_has_x86_64_v3()) isas.push_back(mr::cpu::instruction_set::x86_64_v3);
+  for (const auto isa : isas)
+    for (const int threads : {1, 2, 3, 0}) {
+      CAPTURE(threads);
+      CAPTURE(mr::cpu::name(isa));
+      std::vector<float> pi(num_rows * e, -1.0f);
+      const auto rep = mr::prior::build<Gating>(in, rows.data(), num_rows, pi.data(), mr::cpu::execution{threads, isa});
+      CHECK(std::memcmp(pi.data(), want.data(), pi.size() * sizeof(float)) == 0);
+      std::int64_t used = 0;
+      for (std::int64_t r = 0; r < num_rows; ++r) {
+        const auto tokens = static_cast<std::int64_t>(std::count(rows.begin(), rows.end(), r));
+        CHECK(rep.row_tokens[r] == tokens);
+        used += tokens;
+      }
+      CHECK(rep.tokens_used == used);
+      CHECK(rep.empty_rows.back() == num_rows - 1);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("prior::build: the contract's bits for every thread count and instruction set") {
+  for (const int e : {1, 7, 37, 64, 256}) {
+    CAPTURE(e);
+    check_prior_bits<mr::gating::softmax>(e, 1500, 9, 11u + e);
+    check_prior_bits<mr::gating::sigmoid>(e, 700, 5, 12u + e);
+    check_prior_bits<mr::gating::sqrt_softplus>(e, 700, 5, 13u + e);
+    check_prior_bits<mr::gating::softmax_after_topk>(e, 700, 5, 14u + e);
+  }
+  check_prior_bits<mr::gating::softmax>(4096, 40, 3, 15u);
+  check_prior_bits<mr::gating::softmax>(64, 1, 2, 16u);  // one token
+}
+
+TEST_CASE("prior::build: no tokens gives zero rows, all reported; bf16 logits equal their float values") {
+  std::vector<float> pi(3 * 5, 7.0f);
+  const auto rep = mr::prior::build<mr::gating::softmax>(mr::route_inputs<float>{nullptr, 0, 5}, nullptr, 3, pi.data());
+  CHECK(rep.tokens_used == 0);
+  CHECK(rep.empty_rows == std::vector<std::int64_t>{0, 1, 2});
+  CHECK(std::all_of(pi.begin(), pi.end(), [](float x) { return x == 0.0f; }));
+
+  const int e = 40;
+  const std::int64_t n = 300;
+  std::mt19937 gen(5);
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  std::vector<mr::bfloat16> z16(n * e);
+  std::vector<float> z(n * e);
+  for (std::int64_t i = 0; i < n * e; ++i) {
+    z16[i] = mr::bfloat16{static_cast<std::uint16_t>(mr::detail::float_to_bits(d(gen)) >> 16)};
+    z[i] = mr::detail::bits_to_float(static_cast<std::uint32_t>(z16[i].bits) << 16);
+  }
+  std::vector<std::int32_t> rows(n);
+  for (std::int64_t t = 0; t < n; ++t) rows[t] = static_cast<std::int32_t>(t % 4) - 1;
+  std::vector<float> a(3 * e), b(3 * e);
+  mr::prior::build<mr::gating::softmax>(mr::route_inputs<mr::bfloat16>{z16.data(), n, e}, rows.data(), 3, a.data(),
+                                        mr::cpu::execution{2});
+  mr::prior::build<mr::gating::softmax>(mr::route_inputs<float>{z.data(), n, e}, rows.data(), 3, b.data());
+  CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }

@@ -19,6 +19,7 @@ struct prior_options {
   // build
   std::string logits, rows, gating = "softmax", out;
   std::int64_t num_rows = 0;
+  int threads = 1;
   // shuffle
   std::string prior, communities, scope = "within";
   std::uint64_t seed = 0;
@@ -30,6 +31,7 @@ struct prior_options {
 
 void run_build(const prior_options& o) {
   if (o.num_rows < 0) throw usage_error("--rows must be >= 1");
+  if (o.threads < 0) throw usage_error("--threads must be >= 0");
   const array<float> z = load_f32(o.logits, "--logits");
   if (z.shape.size() != 2) throw data_error("--logits: " + o.logits + " has shape " + shape_string(z.shape) + "; expected [N, E]");
   const array<std::int32_t> r = load_i32(o.rows, "--prior-rows");
@@ -43,11 +45,12 @@ void run_build(const prior_options& o) {
   const int e = static_cast<int>(z.dim(1));
   std::vector<float> pi(static_cast<std::size_t>(s) * e);
   const mr::route_inputs<float> in{z.data.data(), n, e};
+  const mr::cpu::execution ex{o.threads};
   mr::prior::build_report rep;
-  if (o.gating == "softmax") rep = mr::prior::build<mr::gating::softmax>(in, r.data.data(), s, pi.data());
-  else if (o.gating == "sigmoid") rep = mr::prior::build<mr::gating::sigmoid>(in, r.data.data(), s, pi.data());
-  else if (o.gating == "sqrt_softplus") rep = mr::prior::build<mr::gating::sqrt_softplus>(in, r.data.data(), s, pi.data());
-  else rep = mr::prior::build<mr::gating::softmax_after_topk>(in, r.data.data(), s, pi.data());
+  if (o.gating == "softmax") rep = mr::prior::build<mr::gating::softmax>(in, r.data.data(), s, pi.data(), ex);
+  else if (o.gating == "sigmoid") rep = mr::prior::build<mr::gating::sigmoid>(in, r.data.data(), s, pi.data(), ex);
+  else if (o.gating == "sqrt_softplus") rep = mr::prior::build<mr::gating::sqrt_softplus>(in, r.data.data(), s, pi.data(), ex);
+  else rep = mr::prior::build<mr::gating::softmax_after_topk>(in, r.data.data(), s, pi.data(), ex);
   staged_outputs out;
   out.save_f32(o.out, pi.data(), {static_cast<std::size_t>(s), static_cast<std::size_t>(e)});
   out.commit();
@@ -127,6 +130,7 @@ void add_prior(CLI::App& app) {
   b->add_option("--gating", o->gating, "base gating")
       ->check(CLI::IsMember({"softmax", "sigmoid", "sqrt_softplus", "softmax_after_topk"}));
   b->add_option("--out", o->out, "output PI.npy, float32 [S, E]")->required();
+  b->add_option("--threads", o->threads, "CPU threads (default 1, 0 = every hardware thread; same result)");
   b->callback([o] { run_build(*o); });
 
   CLI::App* s = p->add_subcommand("shuffle", "pi'[r, sigma(e)] = pi[r, e], sigma within communities or global");

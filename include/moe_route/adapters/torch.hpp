@@ -584,7 +584,7 @@ struct prior_build_result {
 
 // The prior (prior/build.hpp) of a base router's logits [N, E], rows [N] in [-1, S).
 inline prior_build_result prior_build(runtime::gating_kind gating, const at::Tensor& logits, const at::Tensor& rows,
-                                      std::int64_t num_rows) {
+                                      std::int64_t num_rows, int threads = 1) {
   return detail::translating_errors([&] {
     const detail::placement where = detail::placement_of(logits, "logits");
     const at::Tensor z = detail::logits_of(logits, where);
@@ -611,15 +611,12 @@ inline prior_build_result prior_build(runtime::gating_kind gating, const at::Ten
       return out;
     }
 #endif
-    runtime::detail::by_gating(gating, [&](auto g) {
-      return prior::build<decltype(g)>(in, r.data_ptr<std::int32_t>(), num_rows, out.pi.data_ptr<float>());
+    const prior::build_report report = runtime::detail::by_gating(gating, [&](auto g) {
+      return prior::build<decltype(g)>(in, r.data_ptr<std::int32_t>(), num_rows, out.pi.data_ptr<float>(),
+                                       cpu::execution{threads});
     });
-    // Tokens per row, counted here: the builder reports only the empty rows.
-    out.row_tokens = at::zeros({num_rows}, where.options(at::kLong));
-    std::int64_t* counts = out.row_tokens.data_ptr<std::int64_t>();
-    const std::int32_t* ids = r.data_ptr<std::int32_t>();
-    for (std::int64_t t = 0; t < in.num_tokens; ++t)
-      if (ids[t] >= 0) ++counts[ids[t]];
+    out.row_tokens = at::empty({num_rows}, where.options(at::kLong));
+    std::copy(report.row_tokens.begin(), report.row_tokens.end(), out.row_tokens.data_ptr<std::int64_t>());
     return out;
   });
 }

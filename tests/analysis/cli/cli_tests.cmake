@@ -198,6 +198,14 @@ moe_route_cli_test(analyze_bad_detector 2
 # --- prior.
 moe_route_cli_test(prior_build 0 SETUP cli_prior EXISTS ${F}/pi.npy MATCH "prior \\[4 x 16\\]"
   ARGS prior build --logits ${F}/logits_base.npy --prior-rows ${F}/prior_rows.npy --out ${F}/pi.npy)
+# Every thread count and the baseline loops build the same file.
+moe_route_cli_test(prior_build_threads 0 SETUP cli_prior_threads EXISTS ${F}/pi_threads.npy
+  ARGS prior build --logits ${F}/logits_base.npy --prior-rows ${F}/prior_rows.npy --threads 0 --out ${F}/pi_threads.npy)
+set_tests_properties(cli_prior_build_threads PROPERTIES ENVIRONMENT MOE_ROUTE_CPU_ISA=baseline)
+add_test(NAME cli_prior_build_threads_same COMMAND ${CMAKE_COMMAND} -E compare_files ${F}/pi.npy ${F}/pi_threads.npy)
+set_tests_properties(cli_prior_build_threads_same PROPERTIES FIXTURES_REQUIRED "cli_prior;cli_prior_threads")
+moe_route_cli_test(prior_build_bad_threads 2 ABSENT ${F}/pi_err.npy MATCH "--threads must be >= 0"
+  ARGS prior build --logits ${F}/logits_base.npy --prior-rows ${F}/prior_rows.npy --threads -1 --out ${F}/pi_err.npy)
 moe_route_cli_test(prior_shuffle_within 0 SETUP cli_prior EXISTS ${F}/pi_within.npy
   ARGS prior shuffle --prior ${F}/prior.npy --scope within --communities ${F}/communities.npy --seed 3 --out ${F}/pi_within.npy)
 moe_route_cli_test(prior_shuffle_global 0 EXISTS ${F}/pi_global.npy
