@@ -10,6 +10,7 @@ import moe_route as mr
 from moe_route._ops import ops
 
 N, E, K = 24, 12, 3
+TOKENS = (N, 0, 1)  # and the integer edges: no tokens, one token (docs/reliability.md)
 
 
 def _logits(n=N, e=E, requires_grad=False):
@@ -46,15 +47,16 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not (mr.with_cuda and torch.cuda.is_available()), reason="needs the CUDA branch and a CUDA device"))]
 
 
+@pytest.mark.parametrize("n", TOKENS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(ROUTE_CASES))
-def test_opcheck_route(name, device):
+def test_opcheck_route(name, device, n):
     cfg, admission = ROUTE_CASES[name]
-    z = _logits().to(device).requires_grad_(True)
+    z = _logits(n).to(device).requires_grad_(True)
     bias = torch.linspace(-0.1, 0.1, E) if cfg.uses_expert_bias else None
-    norms = (torch.rand(N) + 0.5, torch.rand(E) + 0.5) if admission is not None and admission.needs_norms else (None,
+    norms = (torch.rand(n) + 0.5, torch.rand(E) + 0.5) if admission is not None and admission.needs_norms else (None,
                                                                                                               None)
-    prior = _prior() if cfg.prior != "none" else (None, None, None)
+    prior = _prior(n) if cfg.prior != "none" else (None, None, None)
     on = lambda t: None if t is None else t.to(device)  # noqa: E731
     args = _route_args(z, cfg, admission.to_text() if admission else "", expert_bias=on(bias),
                        prior=tuple(on(t) for t in prior), hidden_norms=on(norms[0]), weight_norms=on(norms[1]))
@@ -76,13 +78,15 @@ def test_only_gates_and_penalty_values_are_differentiable():
         g.sum().backward()
 
 
-def test_opcheck_route_backward_admit_dispatch():
+@pytest.mark.parametrize("n", TOKENS)
+def test_opcheck_route_backward_admit_dispatch(n):
     cfg = mr.RouterConfig(top_k=K, load_balance=1e-2, z_loss=1e-3)
-    z = _logits()
+    z = _logits(n)
     out = ops.route(*_route_args(z, cfg))
     routed, routed_gates, workspace = out[2], out[0].detach(), out[6]  # dropless: indices, gates are the routed ones
     assert out[3].shape == (0, K) and out[4].shape == (0, K) and out[5].shape == (0, K)
-    grad_gates, grad_values = torch.randn(N, K), torch.randn(5)
+    grad_gates, grad_values = torch.randn(n, K), torch.randn(5)
+    torch.library.opcheck(ops.select_experts.default, (_logits(n), cfg.to_text(), None, None, 1))
     torch.library.opcheck(ops.route_backward.default,
                           (grad_gates, grad_values, z, cfg.to_text(), None, None, None, None, None, 0, None, None, 0,
                            True, routed, workspace, None, False, None, 1))
@@ -91,7 +95,7 @@ def test_opcheck_route_backward_admit_dispatch():
                           (z, cfg.to_text(), admission, routed, routed_gates, None, None, None, 1, None, None, 1))
     for align in (1, 4):
         torch.library.opcheck(ops.dispatch.default, (routed, E, align, 2, None))
-        torch.library.opcheck(ops.dispatch.default, (routed, E, align, 2, None, N * K))  # the fixed layout
+        torch.library.opcheck(ops.dispatch.default, (routed, E, align, 2, None, max(n, 1) * K))  # the fixed layout
 
 
 def test_opcheck_with_token_mask():
@@ -114,15 +118,16 @@ def test_opcheck_with_token_mask():
     torch.library.opcheck(ops.select_experts.default, (z.detach(), cfg.to_text(), None, mask, 1))
 
 
-def test_opcheck_expert_choice_router_l2_prior_and_bias():
-    z = _logits(requires_grad=True)
+@pytest.mark.parametrize("n", TOKENS)
+def test_opcheck_expert_choice_router_l2_prior_and_bias(n):
+    z = _logits(n, requires_grad=True)
     torch.library.opcheck(ops.expert_choice.default, (z, 2, 1.0, 0, None, 1, None, None, 1))
     indices = ops.expert_choice(z.detach(), 2, 1.0, 0, None, 1, None, None, 1)[1]
-    torch.library.opcheck(ops.expert_choice_backward.default, (torch.randn(N, E), z.detach(), indices, None, 1))
+    torch.library.opcheck(ops.expert_choice_backward.default, (torch.randn(n, E), z.detach(), indices, None, 1))
     weights = [torch.randn(E, 8, requires_grad=True), torch.randn(E, 8, requires_grad=True)]
     base = [w.detach() + 0.1 * torch.randn(E, 8) for w in weights]
     torch.library.opcheck(ops.router_l2.default, (weights, base, 1e2))
-    rows = torch.arange(N, dtype=torch.int32) % 3
+    rows = torch.arange(n, dtype=torch.int32) % 3
     torch.library.opcheck(ops.prior_build.default, (z.detach(), rows, 4, "softmax", 1))
     pi = torch.softmax(torch.randn(3, E), dim=1)
     torch.library.opcheck(ops.prior_prepare.default, (pi, 0.05, 5.0))

@@ -422,6 +422,19 @@ TEST_CASE("expert_choice: every expert takes its top-C tokens (ties to the lower
     check_ec(p, in);
     CHECK(run_ec(p, in).rep.assignments == 5);
   }
+  {  // N = 1: C = ceil(1 * 2 / 6) = 1, so every expert takes the only token; N = 0: no work, null logits.
+    const auto z = ec_logits(rng, 1, 6, 0);
+    mr::expert_choice_inputs<float> in{z.data(), 1, 6};
+    mr::selection::expert_choice p;
+    check_ec(p, in);
+    CHECK(run_ec(p, in).rep.assignments == 6);
+    in = mr::expert_choice_inputs<float>{nullptr, 0, 6};
+    const ec_result none = run_ec(p, in);
+    CHECK(none.rep.assignments == 0);
+    CHECK(none.rep.tokens_without_experts == 0);
+    CHECK(none.rep.max_experts_per_token == 0);
+    CHECK_NOTHROW(mr::cpu::expert_choice_backward(in, none.idx.data(), nullptr, nullptr));
+  }
 }
 
 TEST_CASE("expert_choice: scores, dispatch with S = E, gradient, errors") {

@@ -169,6 +169,32 @@ add_test(NAME cli_route_sigkill
   COMMAND Python3::Interpreter ${CMAKE_CURRENT_LIST_DIR}/route_sigkill.py ${CLI} ${CMAKE_CURRENT_BINARY_DIR}/cli_sigkill)
 set_tests_properties(cli_route_sigkill PROPERTIES TIMEOUT 300)
 
+# --- No tokens and one token (docs/reliability.md, "Integer edges"): route with
+# each kind of admission, prior build, and analyze, which needs a token.
+outputs_of(${F}/r_empty o)
+moe_route_cli_test(route_no_tokens 0 EXISTS ${o} MATCH "routed 0 tokens over 16 experts.*executed 0 of 0 slots"
+  ARGS route --logits ${F}/logits_empty.npy --k 2 --out ${F}/r_empty)
+outputs_of(${F}/r_one o)
+moe_route_cli_test(route_one_token 0 EXISTS ${o} MATCH "routed 1 tokens over 16 experts.*executed 2 of 2 slots"
+  ARGS route --logits ${F}/logits_one.npy --k 2 --out ${F}/r_one)
+foreach(n empty one)
+  foreach(admission cipher_reroute capacity_probs expert_choice)
+    outputs_of(${F}/r_${n}_${admission} o)
+    moe_route_cli_test(route_${n}_${admission} 0 EXISTS ${o}
+      ARGS route --logits ${F}/logits_${n}.npy --k 2 --admission ${admission} --capacity-factor 1 --tau 0.1
+           --hidden-norms ${F}/hidden_norms_${n}.npy --weight-norms ${F}/weight_norms.npy
+           --out ${F}/r_${n}_${admission})
+  endforeach()
+endforeach()
+moe_route_cli_test(prior_build_no_tokens 0 EXISTS ${F}/pi_empty.npy MATCH "from 0 tokens.*no token.*: 0 1 2 3"
+  ARGS prior build --logits ${F}/logits_empty.npy --prior-rows ${F}/prior_rows_empty.npy --rows 4
+       --out ${F}/pi_empty.npy)
+moe_route_cli_test(prior_build_one_token 0 EXISTS ${F}/pi_one.npy MATCH "from 1 tokens.*no token.*: 0 1 3"
+  ARGS prior build --logits ${F}/logits_one.npy --prior-rows ${F}/prior_rows_one.npy --rows 4 --threads 0
+       --out ${F}/pi_one.npy)
+moe_route_cli_test(analyze_no_tokens 1 ABSENT ${F}/a_empty.json MATCH "at least one layer, token and slot"
+  ARGS analyze --base ${F}/trace_empty.npy --post ${F}/trace_empty.npy --experts 16 --json ${F}/a_empty.json)
+
 # --- analyze.
 moe_route_cli_test(analyze 0 REQUIRES cli_routed EXISTS ${F}/a1.json MATCH "mean"
   ARGS analyze --base ${F}/base/indices.npy --post ${F}/post/indices.npy --rho 0.2 --nulls 10 --seed 0

@@ -76,6 +76,14 @@ int main(int argc, char** argv) {
   write_npy(dir + "/weight_norms.npy", "<f4", wn, {e});
   write_npy(dir + "/communities.npy", "<i4", communities, {e});
   write_npy(dir + "/domains.npy", "<i4", domains, {n});
+  // The integer edges: no tokens, and one token (the first of logits_base).
+  write_npy(dir + "/logits_empty.npy", "<f4", std::vector<float>{}, {0, e});
+  write_npy(dir + "/logits_one.npy", "<f4", std::vector<float>(base.begin(), base.begin() + e), {1, e});
+  write_npy(dir + "/hidden_norms_empty.npy", "<f4", std::vector<float>{}, {0});
+  write_npy(dir + "/hidden_norms_one.npy", "<f4", std::vector<float>(hn.begin(), hn.begin() + 1), {1});
+  write_npy(dir + "/prior_rows_empty.npy", "<i4", std::vector<std::int32_t>{}, {0});
+  write_npy(dir + "/prior_rows_one.npy", "<i4", std::vector<std::int32_t>{2}, {1});
+  write_npy(dir + "/trace_empty.npy", "<i4", std::vector<std::int32_t>{}, {0, 2});
   // Two-layer traces [2, N, 2] with block structure, as int64 (the CLI accepts int32 and int64).
   std::vector<std::int64_t> t3b(2 * n * 2), t3p(2 * n * 2);
   for (std::size_t l = 0; l < 2; ++l)
