@@ -1,8 +1,8 @@
 """No tokens and one token (N = 0 and N = 1) through every part of the Python layer that takes
 tokens, against the float64 reference (reference.py): routing with every gating, selection,
 penalty and the prior, admission, dispatch, expert choice, inference selection and the prior
-builder (docs/reliability.md, "Integer edges"). The operators' opcheck at these sizes is in
-test_operators.py (TOKENS)."""
+builder; and the largest router, E = 4096 (docs/reliability.md, "Integer edges"). The
+operators' opcheck at these sizes is in test_operators.py (TOKENS)."""
 
 import pytest
 import torch
@@ -105,3 +105,16 @@ def test_prior_build(gating, n):
         want, want_empty = ref.prior_build(z, rows, S, gating)
         assert pi.shape == (S, E) and empty == want_empty == ([0, 1, 2, 3] if n == 0 else [0, 1, 3])
         assert_close(pi, want, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("gating", GATINGS)
+def test_largest_router(gating):
+    """E = 4096 (the library's largest) with K = 16 (the runtime routers' largest; the typed C++
+    routers go to 32, tests/cpu/selection_test.cpp), plain, grouped, with penalties and admitted."""
+    e, k = 4096, 16
+    z = randn(5, e, gen=torch.Generator().manual_seed(4))
+    compare_route(mr.RouterConfig(gating=gating, top_k=k, load_balance=0.5, z_loss=0.2), z)
+    compare_route(mr.RouterConfig(gating=gating, top_k=k, selection="group_limited", groups=32, top_groups=4), z)
+    compare_admission(mr.RouterConfig(gating=gating, top_k=k), mr.Admission.capacity_probs(1.0), z, dispatch_align=8)
+    with pytest.raises(ValueError, match=r"top_k \(= 17\) must be in \[1, 16\]"):
+        mr.route(z, mr.RouterConfig(gating=gating, top_k=k + 1))
