@@ -256,14 +256,14 @@ struct admission_report {
 template <class T>
 struct admission_inputs {
   const T* logits = nullptr;                     // [N x E] the logits the router saw (raw, unbiased)
-  std::int64_t num_tokens = 0;                   // N, with N * K < 2^31
+  std::int64_t num_tokens = 0;                   // N, with N * K < 2^31 - 1
   int num_experts = 0;                           // E
   const std::int32_t* routed_indices = nullptr;  // [N x K] from route (distinct per token)
   const float* routed_gates = nullptr;           // [N x K] from route, for the same logits
   const float* hidden_norms = nullptr;           // [N] ||x_t||, cosine affinity only
   const float* weight_norms = nullptr;           // [E] ||w_e||, cosine affinity only
   const std::int32_t* group_ids = nullptr;       // [N] admission group in [0, num_groups); null: one group
-  int num_groups = 1;                            // G >= 1, G * E < 2^31
+  int num_groups = 1;                            // G >= 1, G * E < 2^31 - 1
   const std::int64_t* capacity = nullptr;        // [E] C_e >= 0 for every group; null: capacity_factor rule
   const std::uint8_t* token_mask = nullptr;      // [N] 0: a padding token, its slots -1 and unread; null: all valid
 };

@@ -46,7 +46,7 @@ template <class T>
 struct expert_choice_inputs {
   static_assert(detail::is_logit_type<T>, "logits must be float, moe_route::bfloat16 or moe_route::float16");
   const T* logits = nullptr;                // [N x E]
-  std::int64_t num_tokens = 0;              // N, with N * E < 2^31
+  std::int64_t num_tokens = 0;              // N, with N * E < 2^31 - 1
   int num_experts = 0;                      // E in [1, max_experts]
   const std::int32_t* group_ids = nullptr;  // [N] in [0, num_groups); null: one group
   int num_groups = 1;

@@ -32,6 +32,10 @@ inline std::string num(double x) {
 
 inline constexpr std::int64_t max_sort_items = std::numeric_limits<std::int32_t>::max();
 
+// Whether a * b >= max_sort_items (a >= 0, b >= 1), without forming a * b,
+// which overflows 64 bits for a num_tokens near 2^63.
+inline bool reaches_sort_limit(std::int64_t a, std::int64_t b) { return a > (max_sort_items - 1) / b; }
+
 template <class Policy>
 void validate_policy(const Policy& p) {
   static_assert(is_policy<Policy>, "admission: the policy must be an admission::policy<...> or dropless_policy");
@@ -59,7 +63,7 @@ inline void validate_groups(int num_groups, int num_experts) {
   if (num_groups < 1) fail("num_groups (= " + std::to_string(num_groups) + ") must be >= 1");
   if (static_cast<std::int64_t>(num_groups) * num_experts >= max_sort_items)
     fail("num_groups * num_experts (= " + std::to_string(static_cast<std::int64_t>(num_groups) * num_experts) +
-         ") must be < 2^31");
+         ") must be < 2^31 - 1");
 }
 
 // Shapes, pointers and parameters (both backends).
@@ -72,8 +76,9 @@ void validate_admission(const Router& r, const Policy& p, const admission_inputs
   if (in.num_tokens < 0) fail("num_tokens (= " + std::to_string(in.num_tokens) + ") must be >= 0");
   moe_route::detail::validate_router(r, in.num_experts);
   validate_groups(in.num_groups, in.num_experts);
-  if (in.num_tokens * r.top_k >= max_sort_items)
-    fail("num_tokens * top_k (= " + std::to_string(in.num_tokens * r.top_k) + ") must be < 2^31 for admission");
+  if (reaches_sort_limit(in.num_tokens, r.top_k))
+    fail("num_tokens (= " + std::to_string(in.num_tokens) + ") * top_k (= " + std::to_string(r.top_k) +
+         ") must be < 2^31 - 1 for admission");
   if (in.num_tokens == 0) return;
   if (in.logits == nullptr) fail("logits is null");
   if (in.routed_indices == nullptr) fail("routed_indices is null");
@@ -136,9 +141,9 @@ void validate_expert_choice(const selection::expert_choice& p, const expert_choi
     fail("expert_choice.capacity_factor (= " + num(p.capacity_factor) + ") must be finite and >= 0");
   if (p.min_capacity < 0)
     fail("expert_choice.min_capacity (= " + std::to_string(p.min_capacity) + ") must be >= 0");
-  if (in.num_tokens * in.num_experts >= max_sort_items)
-    fail("num_tokens * num_experts (= " + std::to_string(in.num_tokens * in.num_experts) +
-         ") must be < 2^31 for expert_choice");
+  if (reaches_sort_limit(in.num_tokens, in.num_experts))
+    fail("num_tokens (= " + std::to_string(in.num_tokens) + ") * num_experts (= " + std::to_string(in.num_experts) +
+         ") must be < 2^31 - 1 for expert_choice");
   if (in.num_tokens == 0) return;
   if (in.logits == nullptr) fail("logits is null");
   if (out.indices == nullptr) fail("indices (output) is null");

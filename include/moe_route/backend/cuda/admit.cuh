@@ -32,6 +32,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include <moe_route/admission/admission.hpp>
 #include <moe_route/admission/detail/validate.hpp>
@@ -53,8 +54,9 @@ std::size_t admit_workspace_bytes(const Router& r, const Policy& p, std::int64_t
   moe_route::detail::validate_router(r, num_experts);
   admission::detail::validate_groups(num_groups, num_experts);
   if (num_tokens < 0) moe_route::detail::fail("num_tokens must be >= 0");
-  if (num_tokens * r.top_k >= admission::detail::max_sort_items)
-    moe_route::detail::fail("num_tokens * top_k must be < 2^31 for admission");
+  if (admission::detail::reaches_sort_limit(num_tokens, r.top_k))
+    moe_route::detail::fail("num_tokens (= " + std::to_string(num_tokens) + ") * top_k (= " + std::to_string(r.top_k) +
+                            ") must be < 2^31 - 1 for admission");
   return admission_detail::admit_bytes<detail::device_executor, Policy>(detail::device_executor{}, num_tokens, r.top_k,
                                                                         num_experts, num_groups);
 }
