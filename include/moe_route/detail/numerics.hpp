@@ -94,6 +94,34 @@ MOE_ROUTE_HD float max(float a, float b) { return a < b ? b : a; }
 // negation, so no compiler folds it into the fma.
 MOE_ROUTE_HD float negate(float x) { return bits_to_float(float_to_bits(x) ^ 0x80000000u); }
 
+// The common core of exp and exp_nonpositive, for an argument already clamped
+// to [-87, ln FLT_MAX]: x = n ln 2 + r with n = round(x / ln 2), found by the
+// 1.5 * 2^23 shifter (`shifted` = n + shifter, exactly), r = x - n ln 2 in two
+// steps, and e^r by its Taylor polynomial of degree 7 on |r| <= 0.35
+// (truncation below 0.05 ulp). The callers differ only in how they scale by 2^n.
+constexpr float exp_shifter = 12582912.0f;
+
+struct exp_reduction {
+  float shifted;   // n + exp_shifter
+  float mantissa;  // e^r
+};
+
+MOE_ROUTE_HD exp_reduction exp_reduce(float xc) {
+  const float shifted = fma(xc, 1.44269502162933349609375f, exp_shifter);
+  const float n = shifted - exp_shifter;
+  float r = fma(n, -0.693145751953125f, xc);
+  r = fma(n, -1.428606765330187045e-06f, r);
+  float p = 1.98412698412698412e-04f;
+  p = fma(p, r, 1.38888888888888889e-03f);
+  p = fma(p, r, 8.33333333333333333e-03f);
+  p = fma(p, r, 4.16666666666666667e-02f);
+  p = fma(p, r, 1.66666666666666667e-01f);
+  p = fma(p, r, 0.5f);
+  p = fma(p, r, 1.0f);
+  p = fma(p, r, 1.0f);
+  return {shifted, p};
+}
+
 // e^x with error below one ulp in the normal range. NaN propagates, results
 // that would overflow are +inf, and results below the smallest normal float
 // (x < -87) are flushed to 0 so the final scaling is always exact.
@@ -107,22 +135,10 @@ MOE_ROUTE_HD float exp(float x) {
   float xc = x < -87.0f ? -87.0f : x;
   xc = xc > hi ? hi : xc;
   xc = is_nan(x) ? 0.0f : xc;
-  // n = round(x / ln 2) by the 1.5 * 2^23 shifter; r = x - n ln 2 in two steps.
-  const float shifter = 12582912.0f;
-  const float n = fma(xc, 1.44269502162933349609375f, shifter) - shifter;
-  float r = fma(n, -0.693145751953125f, xc);
-  r = fma(n, -1.428606765330187045e-06f, r);
-  // Taylor polynomial of degree 7 on |r| <= 0.35: truncation below 0.05 ulp.
-  float p = 1.98412698412698412e-04f;
-  p = fma(p, r, 1.38888888888888889e-03f);
-  p = fma(p, r, 8.33333333333333333e-03f);
-  p = fma(p, r, 4.16666666666666667e-02f);
-  p = fma(p, r, 1.66666666666666667e-01f);
-  p = fma(p, r, 0.5f);
-  p = fma(p, r, 1.0f);
-  p = fma(p, r, 1.0f);
+  const exp_reduction red = exp_reduce(xc);
+  const float p = red.mantissa;
   // Near the overflow threshold (n = 128) the scale 2^n is applied in two exact steps.
-  const int e = static_cast<int>(n);
+  const int e = static_cast<int>(red.shifted - exp_shifter);
   const int big = e > 127 ? 1 : 0;
   const float p2 = p * bits_to_float(static_cast<std::uint32_t>(127 + big) << 23);
   std::uint32_t y = float_to_bits(p2 * bits_to_float(static_cast<std::uint32_t>(e - big + 127) << 23));
@@ -142,21 +158,10 @@ MOE_ROUTE_HD float exp(float x) {
 // Checked against exp over every non-positive float (tests/cpu/numerics_test.cpp).
 MOE_ROUTE_HD float exp_nonpositive(float x) {
   const float xc = x > -87.0f ? x : -87.0f;  // the operand order of a vector max
-  const float shifter = 12582912.0f;
-  const float shifted = fma(xc, 1.44269502162933349609375f, shifter);
-  const float n = shifted - shifter;
-  float r = fma(n, -0.693145751953125f, xc);
-  r = fma(n, -1.428606765330187045e-06f, r);
-  float p = 1.98412698412698412e-04f;
-  p = fma(p, r, 1.38888888888888889e-03f);
-  p = fma(p, r, 8.33333333333333333e-03f);
-  p = fma(p, r, 4.16666666666666667e-02f);
-  p = fma(p, r, 1.66666666666666667e-01f);
-  p = fma(p, r, 0.5f);
-  p = fma(p, r, 1.0f);
-  p = fma(p, r, 1.0f);
+  const exp_reduction red = exp_reduce(xc);
   // 2^n: the low bits of `shifted` hold n + 2^22 (its encoding is 0x4b400000 + n).
-  const std::uint32_t y = float_to_bits(p * bits_to_float((float_to_bits(shifted) - 0x4b400000u + 127u) << 23));
+  const std::uint32_t y =
+      float_to_bits(red.mantissa * bits_to_float((float_to_bits(red.shifted) - 0x4b400000u + 127u) << 23));
   return bits_to_float(y & ~(0u - static_cast<std::uint32_t>(x < -87.0f)));
 }
 
