@@ -184,6 +184,7 @@ def test_config_errors():
         (mr.RouterConfig(scaling_factor=math.inf), "scaling_factor must be finite"),
         (mr.RouterConfig(prior="log_prior_bias", prior_beta=math.nan), "beta must be finite"),
         (mr.RouterConfig(locality=0.1, locality_epsilon=1.5), "locality.epsilon"),
+        (mr.RouterConfig(locality=0.1, locality_epsilon=0.0), r"locality.epsilon must be in \(0, 1\)"),
     ]
     with pytest.raises(ValueError, match=r"num_experts \(= 4097\) must be in \[1, 4096\]"):
         mr.route(torch.randn(2, 4097), mr.RouterConfig())

@@ -239,6 +239,10 @@ TEST_CASE("runtime configuration errors name the field or the missing input") {
   c = rt::router_config{};
   c.z_loss.coefficient = std::numeric_limits<float>::quiet_NaN();
   CHECK_THROWS_WITH_AS(rt::validate(c), doctest::Contains("z_loss.coefficient"), mr::error);
+  c = rt::router_config{};
+  // Once accepted here and refused by the backend at the first routing (the training fuzz target).
+  c.locality.epsilon = 0.0f;
+  CHECK_THROWS_WITH_AS(rt::validate(c), doctest::Contains("router_config.locality.epsilon must be in (0, 1)"), mr::error);
 
   c = rt::router_config{};
   c.kl_to_base.coefficient = 1e-2f;

@@ -122,7 +122,8 @@ inline void validate(const router_config& c) {
     if (!(value == value) || value == std::numeric_limits<float>::infinity() ||
         value == -std::numeric_limits<float>::infinity())
       fail(std::string(field) + " must be finite");
-  if (c.locality.epsilon < 0.0f || c.locality.epsilon >= 1.0f) fail("locality.epsilon must be in [0, 1)");
+  // 0 would give remote experts a target mass of 0, where the KL is infinite.
+  if (!(c.locality.epsilon > 0.0f && c.locality.epsilon < 1.0f)) fail("locality.epsilon must be in (0, 1)");
   if (c.load_balance.counts == penalty::load_balance::count::top_k &&
       c.load_balance.over == penalty::load_balance::scope::global_batch)
     fail("load_balance.counts: top_k counts nothing over the global batch (f comes from load_fractions); use "
