@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(route config npy)
+((${#targets[@]})) || targets=(route config npy training expert_choice)
 bash scripts/setup.sh --fuzz
 cmake --preset fuzz >/dev/null
 cmake --build --preset fuzz --target "${targets[@]/#/moe_route_fuzz_}"

@@ -143,7 +143,9 @@ def select(v: torch.Tensor, *, gating: str, selection: str, top_k: int, groups: 
 def biased_logits(z: torch.Tensor, beta: float, b: torch.Tensor) -> torch.Tensor:
     """z' = fma(beta, b, z) rounded to fp32 (training.md); dz' / dz = 1."""
     exact = (z.detach() + f32(beta) * b.to(F64)).to(torch.float32).to(F64)
-    return z + (exact - z.detach())
+    # z' of an infinite or NaN z is z itself (inf - inf would make it NaN).
+    shift = torch.where(torch.isfinite(z.detach()), exact - z.detach(), torch.zeros_like(exact))
+    return z + shift
 
 
 def route(z: torch.Tensor, *, gating: str = "softmax", selection: str = "top_k", top_k: int = 2,
@@ -433,6 +435,10 @@ def admitted_gates(z: torch.Tensor, routed: torch.Tensor, admitted: torch.Tensor
     # y(.): one value through the routed normaliser, then the scaling factor
     if gating == "softmax_after_topk":
         m = sigma.detach().max(dim=1, keepdim=True).values.clamp(min=-FLT_MAX)
+        # Only rerouted slots use y: elsewhere exp(phi - m) may overflow (m = -FLT_MAX when every
+        # routed logit is -inf), and inf times a zero upstream gradient is NaN.
+        rerouted = (admitted >= 0) & (admitted != routed)
+        phi = torch.where(rerouted, phi, m.expand_as(phi))
         y = _safe_div(torch.exp(phi - m), torch.exp(sigma - m).sum(dim=1, keepdim=True)) * scale
     elif normalize:
         y = phi / (sigma.sum(dim=1, keepdim=True) + 1e-20) * scale

@@ -23,6 +23,7 @@
 
 #include "cpu/reference.hpp"
 #include "fuzz_input.hpp"
+#include "router_choice.hpp"
 #include "runtime_route.hpp"
 
 #include <algorithm>
@@ -59,28 +60,7 @@ bool same_row(const std::vector<T>& v, std::int64_t width, std::int64_t a, std::
 
 routing_case decode_routing(fuzz::input& in) {
   routing_case c;
-  rt::router_config& r = c.config;
-  r.gating = static_cast<rt::gating_kind>(in.in(0, 3));
-  r.selection = static_cast<rt::selection_kind>(in.in(0, 5));
-  const bool after_topk = r.gating == rt::gating_kind::softmax_after_topk;
-  if (after_topk && (rt::selection_uses_bias(r.selection) || r.selection == rt::selection_kind::group_limited_score))
-    r.selection = rt::selection_kind::top_k;
-  c.E = in.in(1, 80);
-  int selectable = c.E;
-  if (rt::selection_is_grouped(r.selection)) {
-    std::vector<int> divisors;
-    for (int g = 1; g <= std::min(c.E, 32); ++g)
-      if (c.E % g == 0) divisors.push_back(g);
-    r.groups = divisors[in.in(0, static_cast<int>(divisors.size()) - 1)];
-    const int size = c.E / r.groups;
-    r.top_groups = in.in(1, r.groups);
-    r.per_group_k = in.in(1, size);
-    selectable = r.top_groups * size;
-  }
-  r.top_k = in.in(1, std::min(selectable, rt::router_max_k));
-  r.normalize = in.flag();
-  const float scalings[] = {1.0f, 2.5f, 0.5f, 16.0f, 1e-3f, 100.0f};
-  r.scaling_factor = scalings[in.in(0, 5)];
+  c.config = fuzz::decode_router(in, 80, c.E);
   c.N = c.distinct = in.in(0, 12);
   c.threads = in.in(1, 3);
   c.logits.resize(static_cast<std::size_t>(c.N) * c.E);
@@ -99,26 +79,7 @@ routing_case decode_routing(fuzz::input& in) {
   return c;
 }
 
-ref::spec spec_of(const rt::router_config& r) {
-  ref::spec sp;
-  sp.gate = static_cast<ref::gate_kind>(static_cast<int>(r.gating));  // same order
-  switch (r.selection) {
-    case rt::selection_kind::top_k: case rt::selection_kind::group_limited: sp.key = ref::key_kind::logit; break;
-    case rt::selection_kind::expert_bias: case rt::selection_kind::group_limited_bias:
-      sp.key = ref::key_kind::biased_score; break;
-    case rt::selection_kind::group_limited_score: sp.key = ref::key_kind::score; break;
-    case rt::selection_kind::fixed: sp.key = ref::key_kind::fixed; break;
-  }
-  sp.grouped = rt::selection_is_grouped(r.selection);
-  sp.groups = r.groups;
-  sp.top_groups = r.top_groups;
-  sp.per_group_k = r.per_group_k;
-  sp.K = r.top_k;
-  sp.normalize = r.normalize;
-  sp.scaling = r.scaling_factor;
-  return sp;
-}
-
+using fuzz::spec_of;
 using fuzz::routed;
 
 routed route(const routing_case& c, int threads) {
