@@ -117,11 +117,6 @@ ec_result run(const ec_case& c, int threads) {
   return r;
 }
 
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
-
 std::string describe(const ec_case& c) {
   return "N=" + std::to_string(c.N) + " E=" + std::to_string(c.E) + " groups=" + std::to_string(c.groups) +
          " top_k=" + std::to_string(c.policy.top_k) + " factor=" + ref::precise(c.policy.capacity_factor) +
@@ -228,8 +223,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   check(c, r);
   if (c.threads > 1) {
     const ec_result one = run(c, 1);
-    FUZZ_CHECK(same_bits(r.indices, one.indices) && same_bits(r.gates, one.gates) &&
-                   same_bits(r.per_token, one.per_token) && same_bits(r.dz, one.dz),
+    FUZZ_CHECK(fuzz::same_bits(r.indices, one.indices) && fuzz::same_bits(r.gates, one.gates) &&
+                   fuzz::same_bits(r.per_token, one.per_token) && fuzz::same_bits(r.dz, one.dz),
                "different bits on " + std::to_string(c.threads) + " threads and on 1; " + describe(c));
   }
   return 0;

@@ -13,6 +13,7 @@
 #include <limits>
 #include <string>
 #include <unistd.h>
+#include <vector>
 
 namespace fuzz {
 
@@ -77,6 +78,12 @@ class input {
   std::size_t pos_ = 0;
   float last_ = 1.0f;
 };
+
+// Whether two arrays hold the same bits (NaN payloads and signed zeros included).
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
 
 // A finding: print what and where, then abort so libFuzzer keeps the input.
 [[noreturn]] inline void finding(const std::string& what) {

@@ -86,11 +86,6 @@ routed route(const routing_case& c, int threads) {
   return fuzz::route(c.config, c.logits, c.N, c.E, c.bias.data(), threads);
 }
 
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
-
 void check_route(const routing_case& c, const routed& o) {
   const ref::spec sp = spec_of(c.config);
   const int K = sp.K;
@@ -259,7 +254,7 @@ void check_admission(const routing_case& c, const routed& r, const rt::admission
         continue;
       }
       if (a.dropless) {
-        FUZZ_CHECK(e == r.indices[s] && same_bits(std::vector<float>{o.gates[s]}, std::vector<float>{r.gates[s]}), at);
+        FUZZ_CHECK(e == r.indices[s] && fuzz::same_bits(std::vector<float>{o.gates[s]}, std::vector<float>{r.gates[s]}), at);
       }
       if (e < 0) {
         FUZZ_CHECK(o.gates[s] == 0.0f, at + " dropped with gate " + std::to_string(o.gates[s]));
@@ -351,7 +346,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   routed r = route(c, c.threads);
   check_route(c, r);
   const routed serial = route(c, 1);
-  FUZZ_CHECK(same_bits(r.indices, serial.indices) && same_bits(r.gates, serial.gates),
+  FUZZ_CHECK(fuzz::same_bits(r.indices, serial.indices) && fuzz::same_bits(r.gates, serial.gates),
              "different bits on " + std::to_string(c.threads) + " threads and on 1");
   check_backward(c, r, in);
 
@@ -360,7 +355,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const admitted o = admit(c, r, a, ac, c.threads);
   check_admission(c, r, a, ac, o);
   const admitted serial_admit = admit(c, r, a, ac, 1);
-  FUZZ_CHECK(same_bits(o.indices, serial_admit.indices) && same_bits(o.gates, serial_admit.gates),
+  FUZZ_CHECK(fuzz::same_bits(o.indices, serial_admit.indices) && fuzz::same_bits(o.gates, serial_admit.gates),
              "admission differs between thread counts");
   if (!a.dropless && a.overflow == rt::overflow_kind::reroute) {
     rt::admission_config strict = a;  // the same strict pass, without rounds

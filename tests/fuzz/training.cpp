@@ -194,14 +194,9 @@ tref::lib_run run(const training_case& c, const tref::batch& b, const std::vecto
       [&](const auto& i, const auto& a) { rt::backward(c.config, i, a, ex); });
 }
 
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
-
 bool same_run(const tref::lib_run& a, const tref::lib_run& b) {
-  return same_bits(a.idx, b.idx) && same_bits(a.gates, b.gates) && same_bits(a.values, b.values) &&
-         same_bits(a.dz, b.dz);
+  return fuzz::same_bits(a.idx, b.idx) && fuzz::same_bits(a.gates, b.gates) && fuzz::same_bits(a.values, b.values) &&
+         fuzz::same_bits(a.dz, b.dz);
 }
 
 std::string describe(const training_case& c) {
