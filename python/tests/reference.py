@@ -33,10 +33,26 @@ def normalizes_by_default(gating: str) -> bool:
 # ---------------------------------------------------------------------------
 # Gating (docs/policies.md section 1, numerics.md "Tie-breaking and keys")
 
+class _Sanitize(torch.autograd.Function):
+    """NaN -> -inf, +-inf -> +-FLT_MAX. The gradient passes unchanged at +-inf (an infinite logit is
+    the limit of a huge finite one, docs/policies.md section 1) and is 0 at NaN; a clamp would give 0
+    at +-inf."""
+
+    @staticmethod
+    def forward(ctx, z):
+        nan = torch.isnan(z)
+        ctx.save_for_backward(nan)
+        return torch.where(nan, torch.full_like(z, -INF), z.clamp(-FLT_MAX, FLT_MAX))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (nan,) = ctx.saved_tensors
+        return torch.where(nan, torch.zeros_like(grad), grad)
+
+
 def sanitize(z: torch.Tensor) -> torch.Tensor:
     """NaN -> -inf, +-inf -> +-FLT_MAX (a NaN logit ranks below a real -inf)."""
-    v = z.clamp(-FLT_MAX, FLT_MAX)
-    return torch.where(torch.isnan(z), torch.full_like(z, -INF), v)
+    return _Sanitize.apply(z)
 
 
 def _safe_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

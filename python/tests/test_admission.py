@@ -83,6 +83,33 @@ def test_worked_example_renormalize_and_reroute():
     assert rr.tokens_per_expert.tolist() == [3, 3, 3, 2]
 
 
+@pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
+def test_reroute_away_from_routed_scores_of_zero_has_a_finite_gradient(gating):
+    """A replay routes each token to experts of score 0 (beside a +inf logit under softmax, at -inf logits
+    under sigmoid), so the normaliser is 1e-20 and dL/dsigma leaves fp32's range; CIPHER reroute moves
+    slots to the expert with a real score. dL/dz was NaN there (docs/admission.md section 4)."""
+    cfg = mr.RouterConfig(gating=gating, top_k=2, normalize=True)
+    special = math.inf if gating == "softmax" else -math.inf
+    z = torch.tensor([[0.5, -1.0, 3.0, 2.0, 0.25]] * 4)
+    z[:, 2] = math.inf if gating == "softmax" else 3.0
+    replay = torch.tensor([[0, 1], [3, 4], [0, 3], [1, 4]], dtype=torch.int32)
+    if gating == "sigmoid":
+        for t, row in enumerate(replay.tolist()):
+            z[t, row] = special
+    a = z.clone().requires_grad_(True)
+    res = mr.route(a, cfg, replay_indices=replay, admission=Adm.cipher_reroute(0.0, 0.5, 2.0),
+                   hidden_norms=torch.ones(4), weight_norms=torch.ones(5))
+    assert bool((res.indices == 2).any()), res.indices  # some slot moved to the expert with the real score
+    w = torch.tensor([[0.75, -0.5], [0.25, 1.0], [-1.0, 0.5], [0.5, 0.5]])
+    (res.gates * w).sum().backward()
+    z64 = z.double().requires_grad_(True)
+    gates = ref.admitted_gates(z64, replay.long(), res.indices.long(), **fields(cfg))
+    (gates * w.double()).sum().backward()
+    assert_close(res.gates, gates, rtol=1e-5, atol=1e-6)
+    assert bool(torch.isfinite(a.grad).all()), a.grad
+    assert_grad(a.grad, z64.grad)
+
+
 # ---------------------------------------------------------------------------
 # Random inputs: every policy under every gating, with and without groups
 

@@ -2,8 +2,8 @@
 operators"): each case draws a router configuration (every gating, selection, prior and penalty with
 its scope), a batch shape with E not a multiple of 32, a memory layout (contiguous, transposed, or a
 strided slice) and logits on a grid of 1/8 in [-8, 8] (so exact ties happen and are resolved alike, but
-no two distinct keys are within float rounding of each other), with now and then a row holding a NaN
-or a -inf; and an admission (by position, probability or CIPHER, strict or reroute) for one case in
+no two distinct keys are within float rounding of each other), with now and then a row holding a NaN,
+a -inf or a +inf; and an admission (by position, probability or CIPHER, strict or reroute) for one case in
 three. Routing, penalties and dL/dz are compared with the float64 reference (compare_route), admission
 and dispatch with compare_admission. MOE_ROUTE_RANDOM_CASES sets how many cases run (default 40); a
 failure names its seed, and one seed replays one case."""
@@ -26,8 +26,8 @@ def _logits(g, n, e, layout):
         kind = int(torch.randint(0, 10, (1,), generator=g))
         if kind == 0:
             z[t, int(torch.randint(0, e, (1,), generator=g))] = float("nan")
-        elif kind == 1:
-            z[t, int(torch.randint(0, e, (1,), generator=g))] = float("-inf")
+        elif kind in (1, 2):
+            z[t, int(torch.randint(0, e, (1,), generator=g))] = float("-inf") if kind == 1 else float("inf")
     if layout == "transposed":  # column-major storage, the same values
         return z.t().contiguous().t()
     if layout == "strided":  # every other column of a wider buffer

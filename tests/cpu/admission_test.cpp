@@ -880,6 +880,36 @@ TEST_CASE("admission: the backward of an untouched result is cpu::backward, bit 
   check(with_k(sigmoid_router{}, 5), 105);
 }
 
+TEST_CASE("admission: a slot rerouted away from routed scores of 0 has a finite gradient (the limit)") {
+  // Every routed gate input is 0 (beside a +inf logit, or at -inf logits: a prior override or a replay
+  // can route there), so S = 1e-20 and the exact dL/dsigma overflows fp32; it must not turn into
+  // 0 * inf = NaN in dL/dz. Regression for a NaN the random Python cases found.
+  const std::vector<std::int32_t> routed = {0, 3}, admitted = {2, 3};  // slot 0 rerouted to expert 2
+  const std::vector<float> dg = {0.75f, -0.5f};
+  auto backward = [&](const auto& r, const std::vector<float>& z) {
+    std::vector<float> dz(z.size(), -7.0f);
+    mr::route_inputs<float> in{z.data(), 1, static_cast<int>(z.size())};
+    mr::cpu::admission_backward(r, ad::cipher_reroute(0.0f, 1.0f, 1.0f), in,
+                                mr::admission_backward_args{routed.data(), admitted.data(), dg.data(), dz.data()});
+    return dz;
+  };
+  // softmax, normalised: expert 2 holds every probability; in the limit of a huge logit dL/dz = 0.
+  auto qwen = with_k(mr::presets::qwen3(), 2);
+  for (float x : backward(qwen, {0.5f, -1.0f, finf, 2.0f, 0.25f})) CHECK(x == 0.0f);
+  // sigmoid, normalised: routed experts at -inf (score 0, derivative 0); the rerouted gate is
+  // sigma(3) / 1e-20 * scale, so dL/dz_2 = 0.75 * 2.5 * sigma'(3) / 1e-20.
+  auto sig = with_k(sigmoid_router{}, 2);
+  sig.normalize = true;
+  sig.scaling_factor = 2.5f;
+  const std::vector<float> dz = backward(sig, {-finf, 1.0f, 3.0f, -finf, 0.5f});
+  const double s3 = 1.0 / (1.0 + std::exp(-3.0));
+  CHECK(dz[0] == 0.0f);
+  CHECK(dz[1] == 0.0f);
+  CHECK(dz[2] == doctest::Approx(0.75 * 2.5 * s3 * (1.0 - s3) / 1e-20).epsilon(1e-5));
+  CHECK(dz[3] == 0.0f);
+  CHECK(dz[4] == 0.0f);
+}
+
 // ---------------------------------------------------------------------------
 // Token mask (docs/policies.md, "Token mask"): on the valid tokens admission
 // and expert choice equal the calls on the batch without the masked tokens

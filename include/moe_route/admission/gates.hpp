@@ -95,6 +95,19 @@ MOE_ROUTE_HD float normalised(const Router& r, const normaliser& n, float x) {
 // product that computed x can no longer be contracted into the addition.
 MOE_ROUTE_HD float add_sealed(float acc, float x) { return moe_route::detail::fma(x, 1.0f, acc); }
 
+// num / S for a routed gate input's gradient (normalize on, S >= 1e-20). When
+// every routed gate input is about 0 (S near 1e-20) and a slot is rerouted to
+// a real score, a finite num gives a quotient beyond the float range. It is
+// then held at +-FLT_MAX: it reaches dL/dz only times the derivative of a
+// routed score that is about 0 (at most about S), where an infinity would make
+// 0 * inf = NaN of a gradient whose limit is 0. Infinite or NaN num pass as is.
+MOE_ROUTE_HD float over_normaliser(float num, float sum) {
+  const float q = moe_route::detail::div(num, sum);
+  if (moe_route::detail::is_finite(num) && !moe_route::detail::is_finite(q))
+    return q > 0.0f ? moe_route::detail::float_max : -moe_route::detail::float_max;
+  return q;
+}
+
 }  // namespace detail
 
 // The admitted gates g[0..k) of one token (the rule above).
@@ -211,7 +224,7 @@ MOE_ROUTE_HD void admitted_gate_weights_vjp(const Router& r, const float* sigma,
         dot = moe_route::detail::fma(scale * d_phi[j], moe_route::detail::div(phi[j], sum), dot);
     const float neg_dot = moe_route::detail::negate(dot);  // not -dot: see detail::negate
     for (int j = 0; j < k; ++j) {
-      d_sigma[j] = moe_route::detail::div(moe_route::detail::fma(scale, d_sigma[j], neg_dot), sum);
+      d_sigma[j] = detail::over_normaliser(moe_route::detail::fma(scale, d_sigma[j], neg_dot), sum);
       d_phi[j] = moe_route::detail::div(scale * d_phi[j], sum);
     }
   } else {
