@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The test command: install dependencies, configure (default preset: CPU plus
 # the CUDA backend compiled for sm_80/sm_90 when nvcc exists), build the tests,
-# examples and the Python extension, run the whole suite.
+# examples and the Python extension, run the whole suite; then the sanitizer
+# stage: the fuzz corpora replayed under ASan + UBSan and under ThreadSanitizer
+# (scripts/sanitize.sh, docs/reliability.md "Sanitizers").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --fuzz
 source scripts/env.sh
 # Benchmarks are not tests: leaving them out keeps the suite inside CI's time on
 # 2 cores (they are built by `cmake --preset default`, docs/performance.md).
@@ -13,3 +15,4 @@ cmake --build --preset default
 # The engines' oracles (python/tests/test_megatron.py, test_transformers.py,
 # test_torchtitan.py) must run here, not skip.
 MOE_ROUTE_REQUIRE_ENGINES=1 ctest --preset default
+bash scripts/sanitize.sh

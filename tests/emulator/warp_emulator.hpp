@@ -34,7 +34,8 @@
 namespace emu {
 
 inline constexpr int lanes = 32;
-inline constexpr std::size_t stack_bytes = std::size_t{1} << 20;  // per lane; agents keep arrays of max_top_k
+inline constexpr std::size_t stack_bytes = std::size_t{256} << 10;  // per lane: the agents keep small arrays
+// (max_top_k, E / 32 values); ASan clears a fiber stack's shadow at every switch, so no bigger than needed
 
 struct exchange {
   std::uint64_t buf[2][lanes];
