@@ -1,0 +1,73 @@
+"""Where a second thread pays (issue 17 item 2; docs/performance.md, "Threads: where a second thread
+pays"): mr.route on 1 and 2 threads, forward alone and the training step (forward, load balance and
+z-loss, backward), for E in {8, 64, 256} and N from 512 to 16384, one process, the extension as built.
+Each side is the median over interleaved rounds of one call's wall time; below 512 tokens the CPU
+backend already keeps one thread (256 tokens per thread at least).
+
+    PYTHONPATH=build/default/python .venv/bin/python python/bench/bench_threads.py [--rounds 41]
+
+Prints one table row per (step, E, N): both times and 1-thread time / 2-thread time (> 1: the second
+thread pays)."""
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+
+import moe_route as mr
+
+ROUTERS = {  # E -> the router measured at that E
+    8: mr.RouterConfig(gating="softmax", top_k=2, normalize=True),  # Mixtral-like
+    64: mr.RouterConfig(gating="softmax", top_k=6),  # DeepSeek-V2-Lite-like
+    256: mr.RouterConfig(gating="sigmoid", top_k=8, normalize=True),  # DeepSeek-V3-like, ungrouped
+}
+TOKENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def one_call_us(fn):
+    start = time.perf_counter_ns()
+    fn()
+    return (time.perf_counter_ns() - start) / 1e3
+
+
+def step_fn(step, z, cfg, threads):
+    if step == "forward":
+        return lambda: mr.route(z, cfg, threads=threads, with_dispatch=False)
+    cfg = dataclasses.replace(cfg, load_balance=0.01, z_loss=0.001)
+    leaf = z.clone().requires_grad_(True)
+
+    def train():
+        res = mr.route(leaf, cfg, threads=threads, with_dispatch=False)
+        (res.gates.sum() + res.aux_loss).backward()
+
+    return train
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=41)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}; median of {args.rounds} interleaved rounds, microseconds per call")
+    print("| step | E | N | N·E | 1 thread | 2 threads | 1t / 2t |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for step in ("forward", "training step"):
+        for e, cfg in ROUTERS.items():
+            for n in TOKENS:
+                z = torch.randn(n, e, generator=torch.Generator().manual_seed(n + e))
+                sides = {t: step_fn(step, z, cfg, t) for t in (1, 2)}
+                for fn in sides.values():
+                    for _ in range(3):
+                        fn()  # warm up
+                times = {t: [] for t in sides}
+                for _ in range(args.rounds):
+                    for t, fn in sides.items():
+                        times[t].append(one_call_us(fn))
+                t1, t2 = (statistics.median(times[t]) for t in (1, 2))
+                print(f"| {step} | {e} | {n} | {n * e} | {t1:.1f} | {t2:.1f} | {t1 / t2:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
