@@ -89,13 +89,12 @@ def test_reroute_away_from_routed_scores_of_zero_has_a_finite_gradient(gating):
     under sigmoid), so the normaliser is 1e-20 and dL/dsigma leaves fp32's range; CIPHER reroute moves
     slots to the expert with a real score. dL/dz was NaN there (docs/admission.md section 4)."""
     cfg = mr.RouterConfig(gating=gating, top_k=2, normalize=True)
-    special = math.inf if gating == "softmax" else -math.inf
     z = torch.tensor([[0.5, -1.0, 3.0, 2.0, 0.25]] * 4)
     z[:, 2] = math.inf if gating == "softmax" else 3.0
     replay = torch.tensor([[0, 1], [3, 4], [0, 3], [1, 4]], dtype=torch.int32)
     if gating == "sigmoid":
         for t, row in enumerate(replay.tolist()):
-            z[t, row] = special
+            z[t, row] = -math.inf  # sigmoid scores of 0
     a = z.clone().requires_grad_(True)
     res = mr.route(a, cfg, replay_indices=replay, admission=Adm.cipher_reroute(0.0, 0.5, 2.0),
                    hidden_norms=torch.ones(4), weight_norms=torch.ones(5))
