@@ -1,17 +1,22 @@
-// The CPU backend's instruction sets (cpu::instruction_set): the runtime
+// How a CPU call runs (cpu::execution). Instruction sets: the runtime
 // routers of five published models, forward and training step (forward +
 // backward), on the baseline loops and the run-time x86-64-v3 loops of one
 // binary, one thread, N = 16384 (docs/performance.md, "Run-time instruction
-// sets"). Built twice: moe_route_cpu_isa_bench for any x86-64, as a wheel or a
-// consumer with default flags compiles the library, and
-// moe_route_cpu_isa_bench_native with the project's -march=x86-64-v3, the
-// figure the run-time path is measured against. Before timing, every router's
-// outputs on the two paths are compared bit for bit.
+// sets"). Threads (the benchmarks named threads/...): three of them on one
+// thread and on two, split at any size or where the backend's rule allows,
+// N = 128..8192, each call after 1 ms idle as between a model's router calls
+// (docs/performance.md, "Threads"). Built twice: moe_route_cpu_isa_bench for
+// any x86-64, as a wheel or a consumer with default flags compiles the
+// library, and moe_route_cpu_isa_bench_native with the project's
+// -march=x86-64-v3, the figure the run-time path is measured against. Before
+// timing, every router's outputs on the two paths are compared bit for bit.
 #include <benchmark/benchmark.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <chrono>
+#include <thread>
 #include <random>
 #include <string>
 #include <vector>
@@ -117,8 +122,7 @@ struct call {
     back.workspace_bytes = workspace.size();
   }
 
-  void step(const rt::router_config& c, instruction_set isa, bool backward) {
-    const mr::cpu::execution ex{1, isa};
+  void step(const rt::router_config& c, const mr::cpu::execution& ex, bool backward) {
     rt::route(c, in, out, ex);
     if (backward) rt::backward(c, in, back, ex);
   }
@@ -134,8 +138,8 @@ bool paths_agree(const std::vector<model>& ms) {
   if (mr::cpu::isa_of({1, instruction_set::best}) != instruction_set::x86_64_v3) return true;
   for (const model& m : ms) {
     call a(m, 2048), b(m, 2048);
-    a.step(m.config, instruction_set::baseline, true);
-    b.step(m.config, instruction_set::x86_64_v3, true);
+    a.step(m.config, {1, instruction_set::baseline}, true);
+    b.step(m.config, {1, instruction_set::x86_64_v3}, true);
     if (a.indices != b.indices || !same_bits(a.gates, b.gates) || !same_bits(a.grad_logits, b.grad_logits) ||
         std::memcmp(a.penalties, b.penalties, sizeof a.penalties) != 0) {
       std::fprintf(stderr, "cpu_isa_bench: %s differs between the baseline and x86-64-v3 paths\n", m.name);
@@ -143,6 +147,42 @@ bool paths_agree(const std::vector<model>& ms) {
     }
   }
   return true;
+}
+
+// threads/<model>/<forward|step>/N/<t1 | t2 (split at any size) | t2_rule (the
+// backend's minimum tokens per thread)>: one call's time after 1 ms idle.
+void register_thread_benchmarks(const std::vector<model>& ms) {
+  struct mode {
+    const char* name;
+    mr::cpu::execution ex;
+  };
+  const mode modes[] = {{"t1", {1, instruction_set::best, 0}},
+                        {"t2", {2, instruction_set::best, 1}},
+                        {"t2_rule", {2, instruction_set::best, 0}}};
+  for (const model& m : ms) {
+    const std::string name(m.name);
+    if (name != "mixtral" && name != "deepseek_v2_lite+lb+z" && name != "deepseek_v3") continue;  // E = 8, 64, 256
+    for (const bool backward : {false, true})
+      for (const std::int64_t n : {128, 256, 512, 1024, 2048, 4096, 8192})
+        for (const mode& md : modes) {
+          const std::string label = "threads/" + name + (backward ? "/step/" : "/forward/") + std::to_string(n) +
+                                    "/" + md.name;
+          benchmark::RegisterBenchmark(label.c_str(), [m, n, md, backward](benchmark::State& state) {
+            call c(m, n);
+            for (auto _ : state) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(1));  // the pool's workers fall asleep
+              const auto start = std::chrono::steady_clock::now();
+              c.step(m.config, md.ex, backward);
+              state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+            }
+          })
+              ->Unit(benchmark::kMicrosecond)
+              ->UseManualTime()
+              ->Iterations(200)  // of manual time only: the idle millisecond does not count towards a minimum time
+              ->Repetitions(3)
+              ->ReportAggregatesOnly(true);
+        }
+  }
 }
 
 }  // namespace
@@ -162,10 +202,11 @@ int main(int argc, char** argv) {
             std::string(m.name) + (backward ? "/step/" : "/forward/") + mr::cpu::name(isa) + "/t1";
         benchmark::RegisterBenchmark(name.c_str(), [m, isa, backward](benchmark::State& state) {
           call c(m, tokens);
-          for (auto _ : state) c.step(m.config, isa, backward);
+          for (auto _ : state) c.step(m.config, {1, isa}, backward);
           state.SetItemsProcessed(state.iterations() * tokens);
         })->Unit(benchmark::kMillisecond)->MeasureProcessCPUTime()->UseRealTime();
       }
+  register_thread_benchmarks(ms);
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

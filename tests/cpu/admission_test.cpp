@@ -106,7 +106,7 @@ result run_admit(const Router& r, const Policy& p, const batch& b, int threads =
   res.gates.assign(b.N * b.K, -7.0f);
   res.status.assign(b.N * b.K, -7);
   mr::admission_outputs out{res.idx.data(), res.gates.data(), res.status.data(), nullptr};
-  res.rep = mr::cpu::admit(r, p, admission_cases::admission_inputs_of(b, b.z.data()), out, mr::cpu::execution{threads});
+  res.rep = mr::cpu::admit(r, p, admission_cases::admission_inputs_of(b, b.z.data()), out, mr::cpu::execution{threads, mr::cpu::instruction_set::best, 1});
   return res;
 }
 

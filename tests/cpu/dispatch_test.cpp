@@ -303,7 +303,7 @@ inline ec_result run_ec(const mr::selection::expert_choice& p, const mr::expert_
   r.gates.assign(in.num_tokens * in.num_experts, -9.0f);
   r.per_token.assign(in.num_tokens, -9);
   r.rep = mr::cpu::expert_choice(p, in, mr::expert_choice_outputs{r.idx.data(), r.gates.data(), r.per_token.data()},
-                                 mr::cpu::execution{threads});
+                                 mr::cpu::execution{threads, mr::cpu::instruction_set::best, 1});
   return r;
 }
 

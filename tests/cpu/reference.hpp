@@ -32,6 +32,15 @@ inline double nan() { return std::numeric_limits<double>::quiet_NaN(); }
 inline float finf() { return std::numeric_limits<float>::infinity(); }
 inline float fnan() { return std::numeric_limits<float>::quiet_NaN(); }
 
+// An execution on `threads` threads that splits even the smallest call (one
+// token per thread at least), so the tests cross block boundaries at any N.
+inline mr::cpu::execution on_threads(int threads) {
+  mr::cpu::execution ex;
+  ex.threads = threads;
+  ex.min_tokens_per_thread = 1;
+  return ex;
+}
+
 inline std::uint32_t bits(float f) {
   std::uint32_t u;
   std::memcpy(&u, &f, sizeof u);
@@ -568,7 +577,7 @@ lib_result run(const Router& r, const std::vector<T>& z, std::int64_t N, int E, 
   out.indices = o.idx.data();
   out.gates = o.gates.data();
   out.nonfinite_rows = &o.counter;
-  o.report = mr::cpu::route(r, in, out, mr::cpu::execution{threads}).nonfinite_rows;
+  o.report = mr::cpu::route(r, in, out, ref::on_threads(threads)).nonfinite_rows;
   return o;
 }
 
@@ -585,7 +594,7 @@ std::vector<float> run_backward(const Router& r, const std::vector<T>& z, std::i
   args.indices = idx.data();
   args.grad_gates = dw.data();
   args.grad_logits = dz.data();
-  mr::cpu::backward(r, in, args, mr::cpu::execution{threads});
+  mr::cpu::backward(r, in, args, ref::on_threads(threads));
   return dz;
 }
 

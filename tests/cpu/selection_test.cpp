@@ -212,7 +212,7 @@ TEST_CASE("N = 0: no error, nothing written, null pointers allowed") {
     out.gates = gates.data();
     out.nonfinite_rows = &counter;
     for (int threads : {1, 2, 0}) {
-      const auto rep = mr::cpu::route(r, in, out, mr::cpu::execution{threads});
+      const auto rep = mr::cpu::route(r, in, out, ref::on_threads(threads));
       CHECK(rep.nonfinite_rows == 0);
     }
     MOE_CHECK_VEC(idx, (std::vector<std::int32_t>(4, -3)));

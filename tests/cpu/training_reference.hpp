@@ -154,7 +154,7 @@ lib_run run_lib(const Router& r, const batch& b, const std::vector<float>& grad_
   auto in = b.inputs();
   if (replay != nullptr) in.replay_indices = replay->data();
   in.token_mask = mask;
-  const mr::cpu::execution ex{threads};
+  const mr::cpu::execution ex = ref::on_threads(threads);
   return run_step(
       in, r.top_k, std::max(1, Router::num_penalties),
       mr::penalty::training_workspace_bytes(r, b.N, b.E, b.num_sequences), grad_gates, penalty_grads,

@@ -111,9 +111,9 @@ ec_result run(const ec_case& c, int threads) {
   r.dz.assign(NE, -9.0f);
   const auto in = c.inputs();
   r.report = mr::cpu::expert_choice(c.policy, in, {r.indices.data(), r.gates.data(), r.per_token.data()},
-                                    mr::cpu::execution{threads});
+                                    ref::on_threads(threads));
   mr::cpu::expert_choice_backward(in, r.indices.data(), c.grad_gates.data(), r.dz.data(),
-                                  mr::cpu::execution{threads});
+                                  ref::on_threads(threads));
   return r;
 }
 

@@ -128,7 +128,7 @@ void check_backward(const routing_case& c, routed& o, fuzz::input& in) {
   args.workspace_bytes = o.workspace.size();
   const std::vector<float> penalty_grads(rt::num_penalties, 0.0f);
   args.penalty_grads = penalty_grads.data();
-  rt::backward(c.config, ri, args, mr::cpu::execution{c.threads});
+  rt::backward(c.config, ri, args, ref::on_threads(c.threads));
   for (std::int64_t t = 0; t < c.N; ++t) {
     if (const std::int64_t first = copy_of(c, t); first >= 0 && same_row(dw, K, t, first)) {
       FUZZ_CHECK(same_row(dz, E, t, first), "dz row " + std::to_string(t) + " differs from the row it repeats");
@@ -226,7 +226,7 @@ admitted admit(const routing_case& c, const routed& r, const rt::admission_confi
   out.indices = o.indices.data();
   out.gates = o.gates.data();
   out.status = o.status.data();
-  o.report = rt::admit(c.config, a, in, out, mr::cpu::execution{threads});
+  o.report = rt::admit(c.config, a, in, out, ref::on_threads(threads));
   return o;
 }
 

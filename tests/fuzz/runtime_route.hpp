@@ -38,7 +38,7 @@ inline routed route(const moe_route::runtime::router_config& c, const std::vecto
   out.penalty_values = o.penalties.data();
   out.workspace = o.workspace.data();
   out.workspace_bytes = o.workspace.size();
-  o.nonfinite = rt::route(c, in, out, moe_route::cpu::execution{threads}).nonfinite_rows;
+  o.nonfinite = rt::route(c, in, out, moe_route::cpu::execution{threads, moe_route::cpu::instruction_set::best, 1}).nonfinite_rows;
   return o;
 }
 

@@ -187,7 +187,7 @@ tref::lib_run run(const training_case& c, const tref::batch& b, const std::vecto
   auto in = b.inputs();
   in.token_mask = mask.empty() ? nullptr : mask.data();
   in.replay_indices = replay.empty() ? nullptr : replay.data();
-  const mr::cpu::execution ex{threads};
+  const mr::cpu::execution ex = ref::on_threads(threads);
   return tref::run_step(
       in, c.config.top_k, rt::num_penalties, rt::workspace_bytes(c.config, b.N, b.E, b.num_sequences), grad_gates,
       c.penalty_grads, [&](const auto& i, const auto& o) { rt::route(c.config, i, o, ex); },

@@ -52,7 +52,7 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
       weights = penalty::weights(r, *ws->header, up);
     }
   }
-  detail::for_token_blocks(in.num_tokens, ex, [&](std::int64_t begin, std::int64_t end, int,
+  detail::for_token_blocks(in.num_tokens, in.num_experts, ex, [&](std::int64_t begin, std::int64_t end, int,
                                                    detail::row_scratch& scratch) {
     for (std::int64_t t = begin; t < end; ++t) {
       const T* z = in.logits + t * num_experts;

@@ -5,6 +5,8 @@
 // detail/numerics.hpp.
 #pragma once
 
+#include <cstdint>
+
 namespace moe_route::cpu {
 
 // The instruction set a call's per-token loops run with. A header-only library
@@ -22,10 +24,15 @@ enum class instruction_set {
 
 // threads == 1 is the sequential reference path; more threads split the
 // tokens into contiguous blocks and give identical results. threads <= 0 uses
-// std::thread::hardware_concurrency().
+// std::thread::hardware_concurrency(). A call takes fewer threads than asked
+// where a thread would cost more than it saves: each thread gets at least
+// min_tokens_per_thread tokens, or, when that is 0, as many as the pass's own
+// estimate (for routing and its backward, 2^16 / (64 + E) tokens; measured in
+// docs/performance.md, "Threads").
 struct execution {
   int threads = 1;
   instruction_set isa = instruction_set::best;
+  std::int64_t min_tokens_per_thread = 0;
 };
 
 }  // namespace moe_route::cpu

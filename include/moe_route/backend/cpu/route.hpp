@@ -43,7 +43,7 @@ route_report route(const Router& r, const route_inputs<T>& in, const route_outpu
   std::optional<detail::workspace_view> ws;
   if (penalties) ws.emplace(out.workspace, layout);
 
-  detail::for_token_blocks(in.num_tokens, ex, [&](std::int64_t begin, std::int64_t end, int worker,
+  detail::for_token_blocks(in.num_tokens, num_experts, ex, [&](std::int64_t begin, std::int64_t end, int worker,
                                                    detail::row_scratch& scratch) {
     std::int64_t bad = 0;
     for (std::int64_t t = begin; t < end; ++t) {

@@ -35,6 +35,7 @@ using moe_route::admission::detail::state_status_mask;
 using cpu::detail::parallel_blocks;
 using cpu::detail::block_plan;
 using cpu::detail::plan_blocks;
+using cpu::detail::plan_token_blocks;
 
 template <class T>
 void sanitized_row(const T* z, int n, float* v) {
@@ -120,7 +121,7 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
       factor_capacity[g] = capacity_from_factor(p.capacity_factor, p.min_capacity, group_tokens[g], k, e_count);
     auto capacity = [&](int g, int e) { return in.capacity != nullptr ? in.capacity[e] : factor_capacity[g]; };
 
-    const block_plan plan = plan_blocks(ex, n_tokens, 512);
+    const block_plan plan = plan_token_blocks(ex, n_tokens, 512);
     std::vector<std::uint8_t> state(static_cast<std::size_t>(slots));
     std::vector<std::uint64_t> key(static_cast<std::size_t>(slots), 0);
     std::vector<std::int32_t> target(in.routed_indices, in.routed_indices + slots);  // the expert a slot holds
@@ -205,7 +206,7 @@ admission_report admit(const Router& r, const Policy& p, const admission_inputs<
           open_in_group[seg / e_count] += open[seg];
         }
         // 3a. Proposals, per token, against the loads at the start of the round.
-        const block_plan pending_plan = plan_blocks(ex, static_cast<std::int64_t>(pending_tokens.size()), 64);
+        const block_plan pending_plan = plan_token_blocks(ex, static_cast<std::int64_t>(pending_tokens.size()), 64);
         parallel_blocks(static_cast<std::int64_t>(pending_tokens.size()), pending_plan,
                             [&](std::int64_t begin, std::int64_t end, int) {
           row_buffers buf(e_count);

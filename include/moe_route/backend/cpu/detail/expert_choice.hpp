@@ -35,7 +35,7 @@ expert_choice_report expert_choice(const selection::expert_choice& p, const expe
 
   // Scores s_{t,e}.
   std::vector<float> score(static_cast<std::size_t>(pairs));
-  const block_plan plan = plan_blocks(ex, n_tokens, 256);
+  const block_plan plan = plan_token_blocks(ex, n_tokens, 256);
   parallel_blocks(n_tokens, plan, [&](std::int64_t begin, std::int64_t end, int) {
     row_buffers buf(e_count);
     for (std::int64_t t = begin; t < end; ++t) {
@@ -154,7 +154,7 @@ void expert_choice_backward(const expert_choice_inputs<T>& in, const std::int32_
                             float* grad_logits, execution ex) {
   if (in.num_tokens == 0) return;
   const int e_count = in.num_experts;
-  parallel_blocks(in.num_tokens, plan_blocks(ex, in.num_tokens, 256), [&](std::int64_t begin, std::int64_t end, int) {
+  parallel_blocks(in.num_tokens, plan_token_blocks(ex, in.num_tokens, 256), [&](std::int64_t begin, std::int64_t end, int) {
     row_buffers buf(e_count);
     for (std::int64_t t = begin; t < end; ++t) {
       float* dz = grad_logits + t * e_count;

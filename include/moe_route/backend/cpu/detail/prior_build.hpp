@@ -113,8 +113,7 @@ void build_prior_rows(const route_inputs<T>& base, const tokens_by_row& g, float
   const int num_experts = base.num_experts;
   const auto used = static_cast<std::int64_t>(g.token_order.size());
   const std::int64_t num_rows = static_cast<std::int64_t>(g.row_begin.size()) - 1;
-  constexpr std::int64_t min_tokens_per_thread = 256;
-  const block_plan plan = plan_blocks(ex, used, min_tokens_per_thread);
+  const block_plan plan = plan_token_blocks(ex, used, 256);
   std::vector<prior_scratch> scratch(plan.threads, prior_scratch(num_experts));
   std::vector<std::vector<std::int64_t>> sums(plan.threads, std::vector<std::int64_t>(num_experts));
   for (auto& s : scratch) s.x86_64_v3 = plan.isa == instruction_set::x86_64_v3;

@@ -11,6 +11,7 @@
 
 #include <moe_route/backend/cpu/detail/isa.hpp>
 #include <moe_route/backend/cpu/detail/rows.hpp>
+#include <moe_route/backend/cpu/detail/worker_pool.hpp>
 #include <moe_route/backend/cpu/execution.hpp>
 
 namespace moe_route::cpu::detail {
@@ -31,30 +32,40 @@ inline block_plan plan_blocks(const execution& ex, std::int64_t items, std::int6
   return {std::max(threads, 1), resolve_isa(ex)};
 }
 
-// body(begin, end, worker) over contiguous blocks of [0, n) on up to
-// plan.threads threads (the caller's included), each on plan.isa.
+// The plan of a pass over `tokens` tokens: ex.min_tokens_per_thread where the
+// caller set it, else the pass's own estimate `own_min`.
+inline block_plan plan_token_blocks(const execution& ex, std::int64_t tokens, std::int64_t own_min) {
+  return plan_blocks(ex, tokens, ex.min_tokens_per_thread > 0 ? ex.min_tokens_per_thread : own_min);
+}
+
+// A routing row of E experts costs about what 64 + E experts' share of the
+// per-expert work does (selection, gates and bookkeeping are the 64), and a
+// woken thread pays for itself once it has about 2^16 of those
+// (docs/performance.md, "Threads").
+inline std::int64_t min_routing_tokens_per_thread(int num_experts) {
+  constexpr std::int64_t row_overhead = 64, work_per_thread = std::int64_t{1} << 16;
+  return std::max<std::int64_t>(1, work_per_thread / (row_overhead + std::max(num_experts, 0)));
+}
+
+// body(begin, end, worker) over contiguous blocks of [0, n), block `worker`
+// of plan.threads, on the caller and the worker pool, each on plan.isa.
 template <class Body>
 void parallel_blocks(std::int64_t n, const block_plan& plan, Body body) {
   if (n <= 0) return;
-  const int threads = plan.threads;
-  const std::int64_t block = (n + threads - 1) / threads;
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int w = 1; w < threads; ++w) {
-    const std::int64_t begin = w * block, end = std::min(n, begin + block);
-    if (begin < end) pool.emplace_back([&body, &plan, begin, end, w] { run_with_isa(plan.isa, body, begin, end, w); });
-  }
-  run_with_isa(plan.isa, body, std::int64_t{0}, std::min(n, block), 0);
-  for (auto& t : pool) t.join();
+  const std::int64_t block = (n + plan.threads - 1) / plan.threads;
+  auto run_block = [&](int w) {
+    const std::int64_t begin = w * block;
+    run_with_isa(plan.isa, body, begin, std::min(n, begin + block), w);
+  };
+  worker_pool::instance().run(static_cast<int>((n + block - 1) / block), run_block);
 }
 
-// body(begin, end, worker, scratch) over contiguous token blocks, with one
-// row scratch per thread.
+// body(begin, end, worker, scratch) over contiguous token blocks of routing
+// rows with `num_experts` experts, with one row scratch per thread.
 template <class Body>
-void for_token_blocks(std::int64_t num_tokens, const execution& ex, Body body) {
+void for_token_blocks(std::int64_t num_tokens, int num_experts, const execution& ex, Body body) {
   if (num_tokens == 0) return;
-  constexpr std::int64_t min_tokens_per_thread = 256;  // below this a thread costs more than it saves
-  const block_plan plan = plan_blocks(ex, num_tokens, min_tokens_per_thread);
+  const block_plan plan = plan_token_blocks(ex, num_tokens, min_routing_tokens_per_thread(num_experts));
   std::vector<std::unique_ptr<row_scratch>> scratch(plan.threads);
   for (auto& s : scratch) {
     s.reset(new row_scratch);  // default-initialised: no 128 KiB memset per call
