@@ -5,22 +5,24 @@
 // sets"). Threads (the benchmarks named threads/...): three of them on one
 // thread and on two, split at any size or where the backend's rule allows,
 // N = 128..8192, each call after 1 ms idle as between a model's router calls
-// (docs/performance.md, "Threads"). Built twice: moe_route_cpu_isa_bench for
+// (docs/performance.md, "Threads"), and the cost of handing two tasks to the
+// worker pool against starting a thread. Built twice: moe_route_cpu_isa_bench for
 // any x86-64, as a wheel or a consumer with default flags compiles the
 // library, and moe_route_cpu_isa_bench_native with the project's
 // -march=x86-64-v3, the figure the run-time path is measured against. Before
 // timing, every router's outputs on the two paths are compared bit for bit.
 #include <benchmark/benchmark.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <chrono>
-#include <thread>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include <moe_route/backend/cpu/detail/worker_pool.hpp>
 #include <moe_route/backend/cpu/isa.hpp>
 #include <moe_route/runtime/cpu.hpp>
 
@@ -185,6 +187,39 @@ void register_thread_benchmarks(const std::vector<model>& ms) {
   }
 }
 
+// threads/handoff/<pool | new_thread>/<gap>: two 5 us tasks on the caller
+// and one more thread, the worker pool's or one started for the call, after
+// `gap` us of the caller's own work (the pool's worker spins 50 us, then sleeps).
+void busy_for(std::chrono::microseconds us) {
+  const auto end = std::chrono::steady_clock::now() + us;
+  while (std::chrono::steady_clock::now() < end) {
+  }
+}
+
+void register_handoff_benchmarks() {
+  using std::chrono::microseconds;
+  for (const bool pool : {true, false})
+    for (const int gap : {0, 20, 100, 1000}) {
+      const std::string label =
+          std::string("threads/handoff/") + (pool ? "pool/" : "new_thread/") + std::to_string(gap);
+      benchmark::RegisterBenchmark(label.c_str(), [pool, gap](benchmark::State& state) {
+        auto task = [](int) { busy_for(microseconds(5)); };
+        for (auto _ : state) {
+          busy_for(microseconds(gap));
+          const auto start = std::chrono::steady_clock::now();
+          if (pool) {
+            mr::cpu::detail::worker_pool::instance().run(2, task);
+          } else {
+            std::thread other(task, 1);
+            task(0);
+            other.join();
+          }
+          state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        }
+      })->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(400)->Repetitions(3)->ReportAggregatesOnly(true);
+    }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -206,6 +241,7 @@ int main(int argc, char** argv) {
           state.SetItemsProcessed(state.iterations() * tokens);
         })->Unit(benchmark::kMillisecond)->MeasureProcessCPUTime()->UseRealTime();
       }
+  register_handoff_benchmarks();
   register_thread_benchmarks(ms);
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
