@@ -1,8 +1,9 @@
-"""Where a second thread pays (issue 17 item 2; docs/performance.md, "Threads: where a second thread
-pays"): mr.route on 1 and 2 threads, forward alone and the training step (forward, load balance and
-z-loss, backward), for E in {8, 64, 256} and N from 512 to 16384, one process, the extension as built.
-Each side is the median over interleaved rounds of one call's wall time; below 512 tokens the CPU
-backend already keeps one thread (256 tokens per thread at least).
+"""Where a second thread pays (issue 17 item 2; docs/performance.md, "Threads: a parked pool and a
+minimum by work"): mr.route on 1 and on 2 threads, forward alone and the training step (forward, load
+balance and z-loss, backward), for E in {8, 64, 256} and N from 512 to 16384 (--tokens), one process,
+the extension as built. Each side is the median over interleaved rounds of one call's wall time, each
+call after --gap-ms of idle time (0: back to back). The 2-thread side follows the backend's minimum of
+2^16 / (64 + E) tokens per thread, so below twice that both sides run on one thread.
 
     PYTHONPATH=build/default/python .venv/bin/python python/bench/bench_threads.py [--rounds 41] [--tokens 512 1024 ...] [--gap-ms 1]
 
