@@ -14,17 +14,19 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 targets=("$@")
-((${#targets[@]})) || targets=(route config npy training expert_choice)
+((${#targets[@]})) || targets=(route config npy cli training expert_choice moe_lm_command_line moe_lm_data ep_driver)
 bash scripts/setup.sh --fuzz
 cmake --preset fuzz >/dev/null
 cmake --build --preset fuzz --target "${targets[@]/#/moe_route_fuzz_}"
 mkdir -p build/fuzz/findings
+# Absolute paths: the cli and driver targets work inside a private directory.
+root=$PWD
 for t in "${targets[@]}"; do
-  corpus=tests/fuzz/corpus/$t work=build/fuzz/corpus/$t
+  corpus=$root/tests/fuzz/corpus/$t work=$root/build/fuzz/corpus/$t
   mkdir -p "$work"
   options=(-max_total_time="$seconds" -max_len=4096 -malloc_limit_mb=512 -print_final_stats=1
-           -artifact_prefix="build/fuzz/findings/$t-")
-  [[ -f tests/fuzz/$t.dict ]] && options+=(-dict="tests/fuzz/$t.dict")
+           -artifact_prefix="$root/build/fuzz/findings/$t-")
+  [[ -f tests/fuzz/$t.dict ]] && options+=(-dict="$root/tests/fuzz/$t.dict")
   echo "fuzz: $t for $seconds s"
   "build/fuzz/tests/fuzz/moe_route_fuzz_$t" "${options[@]}" "$work" "$corpus" 2>&1 |
     grep -E "^(#[0-9]+ *DONE|stat::number_of_executed_units|stat::peak_rss_mb|fuzz finding|SUMMARY|==[0-9]+==ERROR)" || true

@@ -6,11 +6,13 @@
 # .npy reader, the CLI), replayed under ASan + UBSan (the fuzz preset) and
 # under ThreadSanitizer (the tsan preset): its threaded cases split routing,
 # the backward, admission, expert choice and the penalties' cross-token sums
-# over 2 and 3 threads. Both presets build with clang, which --fuzz installs.
+# over 2 and 3 threads. Then the doctest CPU suite under ThreadSanitizer (the
+# tsan-suite preset): every thread-count invariance case and the worker pool's
+# own tests. The presets build with clang, which --fuzz installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --fuzz
-for preset in fuzz tsan; do
+for preset in fuzz tsan tsan-suite; do
   start=$SECONDS
   cmake --preset "$preset" >/dev/null
   cmake --build --preset "$preset"

@@ -21,11 +21,16 @@
 // The final router weights are SGD steps on the all-reduced gradient, so they
 // are bit-equal unless a gradient entry sits within ~1e-16 of a float rounding
 // boundary; with the test's inputs they are.
-#include "moe_layer.hpp"
+#include "compare.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <ostream>
+#include <stdexcept>
+#include <vector>
 
 namespace ep {
 namespace {
@@ -85,35 +90,92 @@ constexpr rule step_rules[] = {
 };
 constexpr rule final_rules[] = {{"/router", 0.0}, {"/experts", 0.0}, {"/expert_bias", 0.0}};
 
+// A number, or an array of numbers.
+bool numeric(const json& v) {
+  if (v.is_number()) return true;
+  if (!v.is_array()) return false;
+  for (const auto& e : v)
+    if (!e.is_number()) return false;
+  return true;
+}
+
+void check_fields(const json& j, const char* where, const rule* rules, std::size_t count, const std::string& name) {
+  const auto fail = [&](const std::string& what) {
+    throw std::runtime_error(name + ": not a moe_route_ep record (" + what + ")");
+  };
+  if (!j.is_object()) fail(std::string(where) + " is not an object");
+  for (std::size_t r = 0; r < count; ++r) {
+    const json::json_pointer p(rules[r].path);
+    if (!j.contains(p)) fail(std::string(where) + " has no " + rules[r].path);
+    if (!numeric(j.at(p))) fail(std::string(where) + rules[r].path + " is not a number or an array of numbers");
+  }
+}
+
 }  // namespace
 
-bool compare(const json& reference, const json& run) {
+void check_record(const json& record, const std::string& name) {
+  const auto fail = [&](const std::string& what) {
+    throw std::runtime_error(name + ": not a moe_route_ep record (" + what + ")");
+  };
+  if (!record.is_object()) fail("not a JSON object");
+  if (!record.contains("layer") || !record["layer"].is_object()) fail("no \"layer\" object");
+  if (!record.contains("steps") || !record["steps"].is_array()) fail("no \"steps\" array");
+  for (std::size_t s = 0; s < record["steps"].size(); ++s)
+    check_fields(record["steps"][s], ("step " + std::to_string(s)).c_str(), step_rules, std::size(step_rules), name);
+  if (!record.contains("final")) fail("no \"final\" object");
+  check_fields(record["final"], "final", final_rules, std::size(final_rules), name);
+}
+
+bool compare(const json& reference, const json& run, std::ostream& report) {
   json ref_layer = reference.at("layer"), run_layer = run.at("layer");
   ref_layer.erase("mode");
   run_layer.erase("mode");
   if (ref_layer != run_layer) {
-    std::printf("different configurations:\n  %s\n  %s\n", ref_layer.dump().c_str(), run_layer.dump().c_str());
+    report << "different configurations:\n  " << ref_layer.dump() << "\n  " << run_layer.dump() << "\n";
     return false;
   }
   const json& ref_steps = reference.at("steps");
   const json& run_steps = run.at("steps");
   if (ref_steps.size() != run_steps.size()) {
-    std::printf("%zu steps against %zu\n", ref_steps.size(), run_steps.size());
+    report << ref_steps.size() << " steps against " << run_steps.size() << "\n";
     return false;
   }
   bool all = true;
-  const auto report = [&](const std::string& where, const rule& r, const json& a, const json& b) {
+  const auto line = [&](const std::string& where, const rule& r, const json& a, const json& b) {
     const verdict v = check(a.at(json::json_pointer(r.path)), b.at(json::json_pointer(r.path)), r.tolerance);
     all = all && v.ok;
     const std::string tolerance = r.tolerance == 0.0 ? "bit-equal" : "tol 1e-12";
-    std::printf("%-7s %-24s %-10s max |diff| %-10.3g of %-10.3g %s %s\n", where.c_str(), r.path, tolerance.c_str(),
-                v.max_diff, v.scale, v.ok ? "ok" : "MISMATCH", v.problem.c_str());
+    char text[160];
+    std::snprintf(text, sizeof text, "%-7s %-24s %-10s max |diff| %-10.3g of %-10.3g %s ", where.c_str(), r.path,
+                  tolerance.c_str(), v.max_diff, v.scale, v.ok ? "ok" : "MISMATCH");
+    report << text << v.problem << "\n";
   };
   for (std::size_t s = 0; s < ref_steps.size(); ++s)
-    for (const rule& r : step_rules) report("step " + std::to_string(s), r, ref_steps[s], run_steps[s]);
-  for (const rule& r : final_rules) report("final", r, reference.at("final"), run.at("final"));
-  std::printf("%s\n", all ? "agree" : "DISAGREE");
+    for (const rule& r : step_rules) line("step " + std::to_string(s), r, ref_steps[s], run_steps[s]);
+  for (const rule& r : final_rules) line("final", r, reference.at("final"), run.at("final"));
+  report << (all ? "agree" : "DISAGREE") << "\n";
   return all;
+}
+
+namespace {
+
+json read_record(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(path + ": cannot be read");
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {  // parse errors, and numbers past double's range
+    throw std::runtime_error(path + ": not JSON (" + e.what() + ")");
+  }
+  check_record(j, path);
+  return j;
+}
+
+}  // namespace
+
+bool compare_files(const std::string& reference, const std::string& run, std::ostream& report) {
+  return compare(read_record(reference), read_record(run), report);
 }
 
 }  // namespace ep

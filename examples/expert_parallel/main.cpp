@@ -14,55 +14,13 @@
 
 #include <cstdio>
 #include <fstream>
+#include <iostream>
 #include <stdexcept>
 #include <string>
 
+#include "common/output_file.hpp"
+
 namespace {
-
-struct command {
-  ep::options run;
-  std::string reference, candidate;  // --compare
-};
-
-command parse(int argc, char** argv) {
-  command c;
-  ep::options& o = c.run;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
-      return argv[++i];
-    };
-    if (a == "--router") o.router = value();
-    else if (a == "--admission") o.admission = value();
-    else if (a == "--renormalize") o.renormalize = true;
-    else if (a == "--capacity-factor") o.capacity_factor = std::stod(value());
-    else if (a == "--tau") o.tau = std::stof(value());
-    else if (a == "--tokens-per-rank") o.tokens_per_rank = std::stoll(value());
-    else if (a == "--steps") o.steps = std::stoi(value());
-    else if (a == "--seed") o.seed = std::stoull(value());
-    else if (a == "--lr") o.learning_rate = std::stof(value());
-    else if (a == "--ranks-simulated") o.simulated_ranks = std::stoi(value());
-    else if (a == "--out") o.out = value();
-    else if (a == "--compare") {
-      c.reference = value();
-      c.candidate = value();
-    } else {
-      throw std::invalid_argument("unknown argument " + a);
-    }
-  }
-  if (o.tokens_per_rank < 1) throw std::invalid_argument("--tokens-per-rank must be >= 1");
-  if (o.steps < 1) throw std::invalid_argument("--steps must be >= 1");
-  if (o.simulated_ranks < 0 || (o.simulated_ranks > 0 && ep::experts % o.simulated_ranks != 0))
-    throw std::invalid_argument("--ranks-simulated must divide E = " + std::to_string(ep::experts));
-  return c;
-}
-
-ep::json read(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("cannot read " + path);
-  return ep::json::parse(in);
-}
 
 // One line per step: what a training engineer watches.
 void summarize(const ep::json& result) {
@@ -81,8 +39,8 @@ void summarize(const ep::json& result) {
   std::printf("expert bias %s\n", result.at("final").at("expert_bias").dump().c_str());
 }
 
-int run(const command& c) {
-  if (!c.reference.empty()) return ep::compare(read(c.reference), read(c.candidate)) ? 0 : 1;
+int run(const ep::command& c) {
+  if (!c.reference.empty()) return ep::compare_files(c.reference, c.candidate, std::cout) ? 0 : 1;
   ep::json result;
   if (c.run.simulated_ranks > 0) {
     result = ep::run_reference(c.run);
@@ -93,19 +51,23 @@ int run(const command& c) {
     if (result.is_null()) return 0;  // not rank 0
   }
   summarize(result);
-  if (!c.run.out.empty()) {
-    std::ofstream out(c.run.out);
-    out << result.dump() << '\n';
-    if (!out) throw std::runtime_error("cannot write " + c.run.out);
-  }
+  if (!c.run.out.empty())
+    moe_route_examples::write_replacing(c.run.out, [&](const std::string& tmp) {
+      std::ofstream out(tmp);
+      out << result.dump() << '\n';
+      out.close();  // flushes: a full disk shows here, not as a short file
+      if (!out) throw std::runtime_error("write to " + tmp + " failed");
+    });
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  const ep::parsed_command parsed = ep::parse_command_line(argc, argv, std::cout, std::cerr);
+  if (!parsed.cmd) return parsed.exit_code;
   try {
-    return run(parse(argc, argv));
+    return run(*parsed.cmd);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe_route_ep: %s\n", e.what());
     int initialized = 0, finalized = 0;

@@ -22,30 +22,13 @@
 
 #include <moe_route/moe_route.hpp>
 
+#include "compare.hpp"
+#include "options.hpp"
+
 namespace ep {
 
 namespace mr = moe_route;
 using json = nlohmann::json;
-
-inline constexpr int hidden = 16;                    // d
-inline constexpr int ffn = 32;                       // expert hidden width
-inline constexpr int experts = 8;                    // E
-inline constexpr int top_k = 2;                      // K
-inline constexpr int expert_params = 2 * ffn * hidden;  // W1 [ffn x d], then W2 [d x ffn]
-
-struct options {
-  std::string router = "balanced";  // balanced | aux_free
-  std::string admission = "capacity_probs";  // capacity_probs | cipher_strict | cipher_reroute | dropless
-  bool renormalize = false;         // drop policies: rescale the survivors of a token that lost a slot
-  double capacity_factor = 1.0;
-  float tau = 0.0f;                 // cosine threshold of the cipher policies
-  std::int64_t tokens_per_rank = 8;
-  int steps = 3;
-  std::uint64_t seed = 1;
-  float learning_rate = 0.05f;
-  int simulated_ranks = 0;          // > 0: the single-process reference with this many ranks
-  std::string out;                  // where to write the JSON record; empty: none
-};
 
 // ---------------------------------------------------------------------------
 // Deterministic values.
@@ -334,7 +317,5 @@ inline json layer_json(const options& o, int ranks, const char* mode) {
 // null elsewhere).
 json run_reference(const options& o);
 json run_mpi(const options& o);
-// Compares a run with the reference; prints each field's agreement; true if all agree.
-bool compare(const json& reference, const json& run);
 
 }  // namespace ep

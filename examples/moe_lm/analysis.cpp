@@ -57,13 +57,6 @@ std::vector<double> layer_averaged(const routing_trace& t, Keep keep) {
 
 }  // namespace
 
-const char* detector_name(community_detector d) { return an::detector_name(method_of(d)); }
-
-community_detector parse_detector(const std::string& name) {
-  for (community_detector d : {community_detector::louvain, community_detector::leiden})
-    if (name == detector_name(d)) return d;
-  throw std::invalid_argument("unknown community detector \"" + name + "\" (louvain, leiden)");
-}
 
 nlohmann::json retention(const routing_trace& base, const routing_trace& post, const retention_settings& s) {
   if (base.layers != post.layers || base.tokens != post.tokens || base.k != post.k || base.experts != post.experts)

@@ -10,6 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config.hpp"
+
 namespace moe_lm {
 
 // Routing indices of every MoE layer on the same probe tokens.
@@ -19,21 +21,6 @@ struct routing_trace {
   std::vector<std::int32_t> indices;  // [L x N x K], -1 = dropped
   std::vector<std::int32_t> domains;  // [N]
   std::vector<std::int32_t> spans;    // [N] 0: BOS and prompt (Q), 1: SEP and answer (A)
-};
-
-enum class community_detector { louvain, leiden };
-const char* detector_name(community_detector d);
-// Throws std::invalid_argument naming the known detectors.
-community_detector parse_detector(const std::string& name);
-
-struct retention_settings {
-  double rho = 0.10;  // kept edge fraction of the co-activation graph
-  int nulls = 100;    // null-model resamples per layer (RPB Table 9)
-  // Detector and null-model seed. Fixed, as in RPB (seed 0), not the
-  // training seed: the detector's own seed spread is as large as the
-  // training seeds', and tying the two confounds them.
-  std::uint64_t seed = 0;
-  community_detector detector = community_detector::louvain;
 };
 
 // TVD, JSD, top-k overlap, community NMI, Q and Delta Q per layer and as layer

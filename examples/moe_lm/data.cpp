@@ -205,7 +205,7 @@ std::vector<example> load_jsonl(const std::string& path, std::int64_t max_tokens
     nlohmann::json j;
     try {
       j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
+    } catch (const nlohmann::json::exception& e) {  // parse errors, and numbers past double's range
       fail(std::string("bad JSON: ") + e.what());
     }
     if (!j.is_object()) fail("expected a JSON object with \"prompt\", \"answer\" and \"domain\"");
@@ -228,6 +228,8 @@ std::vector<example> load_jsonl(const std::string& path, std::int64_t max_tokens
            std::to_string(max_tokens));
     out.push_back(std::move(e));
   }
+  if (in.bad()) throw std::runtime_error(path + ": read error");
+  if (out.empty()) throw std::runtime_error(path + ": no examples");
   return out;
 }
 

@@ -69,7 +69,8 @@ split default_data(std::uint64_t seed, int train_per_domain = 3000, int post_per
 // (blank lines are skipped). Throws std::runtime_error "<path>:<line>: <what>"
 // for unreadable files, bad JSON, a missing field, a field of the wrong type,
 // an unknown domain, an empty answer, or (max_tokens > 0) an example whose
-// encoding is longer than max_tokens.
+// encoding is longer than max_tokens; "<path>: no examples" for a file without
+// one (empty, or blank lines only).
 std::vector<example> load_jsonl(const std::string& path, std::int64_t max_tokens = 0);
 
 // The examples of one domain.

@@ -5,26 +5,22 @@
 // `moe_lm posttrain` with different --condition / --admission / --seed.
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
-#include <limits>
 #include <optional>
-#include <regex>
 #include <stdexcept>
+#include <variant>
 
-#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/cuda.h>
-
-#include <moe_route/adapters/detail/config_text.hpp>
 
 #include "analysis.hpp"
 #include "conditions.hpp"
 #include "data.hpp"
 #include "model.hpp"
-#include "output_file.hpp"
+#include "options.hpp"
+#include "common/output_file.hpp"
 #include "train.hpp"
 
 namespace {
@@ -32,34 +28,11 @@ namespace {
 using namespace moe_lm;
 using nlohmann::json;
 
-struct data_options {
-  std::uint64_t seed = 0;
-  int train = 3000, post = 2000, eval = 200, probe = 200;  // per domain
-  std::string train_jsonl, post_jsonl, eval_jsonl, probe_jsonl;
-};
-
-void add_optimiser_options(CLI::App* c, train_options& o) {
-  c->add_option("--adam-beta2", o.beta2, "AdamW beta2");
-  c->add_option("--weight-decay", o.weight_decay, "AdamW weight decay on the weight matrices");
-}
-
 // Every domain's name, in domain order.
 std::vector<std::string> domain_names() {
   std::vector<std::string> names;
   for (int d = 0; d < num_domains; ++d) names.push_back(domain_name(static_cast<domain>(d)));
   return names;
-}
-
-void add_data_options(CLI::App* c, data_options& d) {
-  c->add_option("--data-seed", d.seed, "seed of the embedded data set");
-  c->add_option("--train-per-domain", d.train, "pretraining examples per domain");
-  c->add_option("--post-per-domain", d.post, "post-training examples per domain");
-  c->add_option("--eval-per-domain", d.eval, "evaluation examples per domain");
-  c->add_option("--probe-per-domain", d.probe, "probe examples per domain");
-  c->add_option("--train-jsonl", d.train_jsonl, "pretraining examples (JSONL) instead of the embedded ones");
-  c->add_option("--post-jsonl", d.post_jsonl, "post-training examples (JSONL)");
-  c->add_option("--eval-jsonl", d.eval_jsonl, "evaluation examples (JSONL)");
-  c->add_option("--probe-jsonl", d.probe_jsonl, "probe examples (JSONL)");
 }
 
 split load_data(const data_options& d, std::int64_t max_len) {
@@ -181,18 +154,12 @@ void progress(const char* what, const step_log& s, int steps) {
 void emit(const json& j, const std::string& path) {
   std::cout << j.dump(2) << std::endl;
   if (!path.empty())
-    write_replacing(path, [&](const std::string& tmp) {
+    moe_route_examples::write_replacing(path, [&](const std::string& tmp) {
       std::ofstream out(tmp);
       out << j.dump(2) << "\n";
       out.close();  // flushes: a full disk shows here, not as a short file
       if (!out) throw std::runtime_error("write to " + tmp + " failed");
     });
-}
-
-rt::admission_config admission_of(const std::string& name, float tau, bool tau_given, double capacity_factor,
-                                  double fill_factor) {
-  return moe_route::adapters::detail::admission_preset_of(name, capacity_factor, fill_factor,
-                                                          tau_given ? std::optional<float>(tau) : std::nullopt);
 }
 
 json admission_json(const std::string& name, const rt::admission_config& a) {
@@ -205,328 +172,189 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
+json pretrain(const common_options& common, const pretrain_command& cmd, const torch::Device& device) {
+  const auto start = std::chrono::steady_clock::now();
+  train_options opt;
+  static_cast<train_settings&>(opt) = cmd.train;
+  opt.threads = common.threads;
+  opt.log_every = common.log_every;
+  opt.on_log = [&](const step_log& s) { progress("pretrain", s, opt.steps); };
+  const split data = load_data(cmd.data, cmd.model.max_len);
+  torch::manual_seed(opt.seed);
+  auto m = std::make_shared<model>(cmd.model);
+  m->to(device);
+  rt::router_config r = preset_router(cmd.model);
+  r.load_balance.coefficient = cmd.lbl;
+  m->set_router(r);
+  const train_result tr = train(*m, data.train, opt);
+  save_model(m, cmd.out);
+  const routing_trace trace = probe(*m, data.probe);
+  json layers = json::array();
+  for (std::int64_t l = 0; l < trace.layers; ++l)
+    layers.push_back(workload({trace.indices.begin() + l * trace.tokens * trace.k,
+                               trace.indices.begin() + (l + 1) * trace.tokens * trace.k},
+                              trace.tokens, trace.k, trace.experts));
+  return {{"command", "pretrain"},
+          {"model", json::parse(to_json(cmd.model))},
+          {"seed", opt.seed},
+          {"steps", opt.steps},
+          {"lr", opt.lr},
+          {"beta2", opt.beta2},
+          {"weight_decay", opt.weight_decay},
+          {"lbl", cmd.lbl},
+          {"prompt_loss", opt.prompt_loss},
+          {"device", device.str()},
+          {"checkpoint", cmd.out},
+          {"train", train_json(tr, common.log_every)},
+          {"eval", metrics_json(evaluate(*m, data.eval))},
+          {"probe_workload", layers},
+          {"seconds", seconds_since(start)}};
+}
+
+json posttrain(const common_options& common, const posttrain_command& cmd, const torch::Device& device) {
+  const auto start = std::chrono::steady_clock::now();
+  auto m = load_model(cmd.base);
+  m->to(device);
+  const model_config& c = m->config();
+  const split data = load_data(cmd.data, c.max_len);
+  const domain dom = cmd.post_domain;
+  std::vector<example> post_set = of_domain(data.post, dom);
+  if (cmd.post_examples > 0 && static_cast<std::size_t>(cmd.post_examples) < post_set.size())
+    post_set.resize(static_cast<std::size_t>(cmd.post_examples));
+  const std::vector<example> probe_set = of_domain(data.probe, dom);
+  condition_setup cs = setup(cmd.cond, m->router(), cmd.params);
+  const rt::router_config learned = cs.router;
+  if (cmd.fixed_router) cs.router.selection = rt::selection_kind::fixed;
+  if (cmd.locality != 0.0f) cs.router.locality.coefficient = cmd.locality;
+  train_options opt;
+  static_cast<train_settings&>(opt) = cmd.train;
+  const rt::admission_config& adm = cmd.admission;
+
+  json result = {{"command", "posttrain"}, {"base", cmd.base}, {"domain", domain_name(dom)},
+                 {"condition", condition_name(cmd.cond)}, {"seed", opt.seed},
+                 {"admission", admission_json(cmd.admission_name, adm)}, {"pad_experts", cmd.pad_experts},
+                 {"fixed_router", cmd.fixed_router}, {"expert_choice", cmd.expert_choice},
+                 {"groups", opt.admission_groups}, {"locality", cmd.locality}, {"device", device.str()},
+                 {"model", json::parse(to_json(c))}};
+  if (cmd.eval_base) {
+    const auto base_metrics = evaluate(*m, data.eval);
+    result["base_eval"] = metrics_json(base_metrics);
+    result["base_summary"] = id_ood(base_metrics, domain_name(dom));
+  }
+  const routing_trace base_trace = probe(*m, probe_set);
+  if (cs.prior != prior_source::none) {
+    const int e = static_cast<int>(c.experts);
+    base_prior bp = build_prior(*m, post_set, cmd.form);
+    const std::vector<prior_table> unshuffled = prepare_prior(bp.pi, e);
+    // The spreads behind --calibrate-beta, layer means: the prior bias b and the router logits z.
+    double logit_sd = 0.0, bias_sd = 0.0, bias_range = 0.0;
+    for (std::size_t l = 0; l < bp.pi.size(); ++l) {
+      const row_spread b = spread(unshuffled[l].bias, e);
+      logit_sd += bp.logits[l].sd / static_cast<double>(bp.pi.size());
+      bias_sd += b.sd / static_cast<double>(bp.pi.size());
+      bias_range += b.range / static_cast<double>(bp.pi.size());
+    }
+    const double unit = cmd.calibrate_beta ? cmd.prior_logit_ratio * logit_sd / bias_sd : 1.0;
+    cs.router.prior_bias.beta = static_cast<float>(cmd.params.beta * unit);
+    // beta and the ratio it gives only where the bias is added (the soft prior conditions).
+    const bool soft = cs.router.prior == rt::prior_kind::log_prior_bias;
+    result["prior"] = {{"form", prior_form_name(cmd.form)}, {"logit_sd", logit_sd}, {"bias_sd", bias_sd},
+                       {"bias_range", bias_range}, {"calibrated", cmd.calibrate_beta},
+                       {"target_ratio", cmd.calibrate_beta ? json(cmd.prior_logit_ratio) : json(nullptr)},
+                       {"beta_unit", unit}, {"beta", soft ? json(cs.router.prior_bias.beta) : json(nullptr)},
+                       {"ratio", soft ? json(cs.router.prior_bias.beta * bias_sd / logit_sd) : json(nullptr)}};
+    if (cs.prior == prior_source::within_shuffle || cs.prior == prior_source::global_shuffle) {
+      const std::vector<std::vector<float>> original = bp.pi;
+      if (cs.prior == prior_source::within_shuffle) {
+        const auto comm = communities(base_trace, cmd.retention);
+        shuffle_prior(bp.pi, e, &comm, opt.seed);
+      } else {
+        shuffle_prior(bp.pi, e, nullptr, opt.seed);
+      }
+      result["shuffle_validation"] = shuffle_validation(original, bp.pi, e, c.top_k, cs.router.prior_bias.beta);
+      m->set_prior(prepare_prior(bp.pi, e));
+    } else {
+      m->set_prior(unshuffled);
+    }
+  }
+  opt.prior_rows = cs.prior != prior_source::none;
+  opt.router_l2 = cs.router_l2;
+  opt.update_expert_bias = cs.update_expert_bias && !cmd.expert_choice && !cmd.freeze_expert_bias;
+  result["expert_bias_updates"] = opt.update_expert_bias && rt::selection_uses_bias(cs.router.selection);
+  result["optimiser"] = {{"lr", opt.lr}, {"beta2", opt.beta2}, {"weight_decay", opt.weight_decay},
+                         {"batch", opt.batch_size}, {"steps", opt.steps}};
+  if (cs.router_l2 != 0.0f)
+    for (const auto& w : m->router_weights()) opt.base_router.push_back(w.detach().clone());
+  opt.threads = common.threads;
+  opt.routed_affinities = true;
+  if (cmd.witness_margin) {
+    moe_route::analysis::signal_retention_options so;
+    so.margin = *cmd.witness_margin;
+    so.capacity_factor = cmd.capacity_factor;
+    opt.signal_retention = so;
+    result["signal_retention"] = {{"margin", so.margin}, {"capacity_factor", so.capacity_factor},
+                                  {"eps", so.eps}, {"eta", so.eta}};
+  }
+  opt.log_every = common.log_every;
+  opt.on_log = [&](const step_log& s) { progress(condition_name(cmd.cond), s, opt.steps); };
+  m->set_router(cs.router);
+  m->set_admission(adm, cmd.admit_at_eval);
+  m->set_expert_padding(cmd.pad_experts);
+  if (cmd.expert_choice)
+    m->set_expert_choice(moe_route::selection::expert_choice{static_cast<int>(c.top_k), cmd.capacity_factor, 0});
+  const train_result tr = train(*m, post_set, opt);
+  if (cmd.fixed_router) m->set_router(learned);
+  m->set_expert_choice(std::nullopt);
+  const auto metrics = evaluate(*m, data.eval);
+  const routing_trace post_trace = probe(*m, probe_set);
+  result["train"] = train_json(tr, common.log_every);
+  result["eval"] = metrics_json(metrics);
+  result["summary"] = id_ood(metrics, domain_name(dom));
+  result["retention"] = retention(base_trace, post_trace, cmd.retention);
+  result["seconds"] = seconds_since(start);
+  if (!cmd.out.empty()) {
+    m->set_prior({});
+    m->set_admission(rt::admission_config{});
+    save_model(m, cmd.out);
+  }
+  return result;
+}
+
+// The evaluation record; with --prompt, the greedy answer printed instead (no record).
+std::optional<json> eval(const eval_command& cmd, const torch::Device& device) {
+  const auto start = std::chrono::steady_clock::now();
+  auto m = load_model(cmd.model);
+  m->to(device);
+  if (!cmd.prompt.empty()) {
+    std::cout << generate(*m, cmd.prompt, static_cast<int>(m->config().max_len)) << std::endl;
+    return std::nullopt;
+  }
+  const split data = load_data(cmd.data, m->config().max_len);
+  return json{{"command", "eval"}, {"model", cmd.model}, {"eval", metrics_json(evaluate(*m, data.eval))},
+              {"routing", routing_structure(probe(*m, data.probe), domain_names())},
+              {"seconds", seconds_since(start)}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"moe_lm: a small MoE language model whose routers are moe_route's"};
-  app.require_subcommand(1);
-  int threads = 1;
-  std::string json_path;
-  int log_every = 50;
-  app.add_option("--threads", threads, "torch threads");
-  app.add_option("--json", json_path, "also write the result JSON here");
-  app.add_option("--log-every", log_every, "progress line every N steps (0: none)");
-  std::string device_arg = "cpu";
-  app.add_option("--device", device_arg,
-                 "where the model runs: cpu, or cuda[:N] (the routers then run on the library's CUDA backend; "
-                 "needs a build against a CUDA LibTorch)");
-
-  // pretrain
-  auto* pre = app.add_subcommand("pretrain", "pretrain a base model on the mixture of every domain");
-  model_config mc;
-  std::string preset = "softmax", out_path;
-  train_options pre_opt;
-  pre_opt.steps = 1500;
-  pre_opt.prompt_loss = true;
-  float pre_lbl = 1e-2f;
-  data_options pre_data;
-  pre->add_option("--out", out_path, "checkpoint to write")->required();
-  pre->add_option("--gating", preset,
-                  "router preset: softmax (DeepSeek-V2-Lite), sigmoid_bias (Moonlight), group_limited (DeepSeek-V3), "
-                  "sqrt_softplus (DeepSeek-V4) or softmax_after_topk (Mixtral)");
-  pre->add_option("--d-model", mc.d_model, "width");
-  pre->add_option("--layers", mc.layers, "depth");
-  pre->add_option("--heads", mc.heads, "attention heads");
-  pre->add_option("--experts", mc.experts, "routed experts E");
-  pre->add_option("--top-k", mc.top_k, "experts per token K");
-  pre->add_option("--expert-hidden", mc.expert_hidden, "hidden width of a routed expert");
-  pre->add_option("--shared-hidden", mc.shared_hidden, "hidden width of the shared expert");
-  pre->add_option("--max-len", mc.max_len, "positions");
-  pre->add_option("--bias-update-rate", mc.bias_update_rate, "presets with an expert bias: its step");
-  pre->add_flag("--untied", [&](std::int64_t) { mc.tie_embeddings = false; }, "untie the output head");
-  pre->add_flag("--layer-norm", [&](std::int64_t) { mc.rms_norm = false; }, "LayerNorm instead of RMSNorm");
-  pre->add_option("--steps", pre_opt.steps, "training steps");
-  pre->add_option("--batch", pre_opt.batch_size, "examples per step");
-  pre->add_option("--lr", pre_opt.lr, "peak learning rate");
-  pre->add_option("--seed", pre_opt.seed, "initialisation and batch-order seed");
-  pre->add_option("--lbl", pre_lbl, "load-balancing coefficient alpha during pretraining");
-  pre->add_flag("--answer-only", [&](std::int64_t) { pre_opt.prompt_loss = false; },
-                "train on the answer span only (default: predict the prompt bytes too, as a language model)");
-  add_optimiser_options(pre, pre_opt);
-  add_data_options(pre, pre_data);
-
-  // posttrain
-  auto* post = app.add_subcommand("posttrain", "post-train a base model on one domain under one router condition");
-  std::string base_path, domain_arg, condition_arg = "sft", admission_arg = "dropless", post_out;
-  train_options post_opt;
-  post_opt.steps = 300;
-  post_opt.lr = 1e-3;
-  condition_params cp;
-  float tau = 0.0f;
-  double capacity_factor = 1.25, fill_factor = 4.0;
-  bool admit_at_eval = false, eval_base = false;
-  int post_examples = 0;
-  retention_settings rs;
-  data_options post_data;
-  post->add_option("--base", base_path, "base checkpoint (moe_lm pretrain)")->required();
-  post->add_option("--domain", domain_arg, "post-training domain: arithmetic, code or words")->required();
-  post->add_option("--condition", condition_arg,
-                   "sft, lbl, rpb, router_l2, kl_to_base, logit_l2, z_loss, rpb_hard, within_soft, within_hard, "
-                   "global_hard");
-  post->add_option("--admission", admission_arg,
-                   "dropless, cipher_strict, cipher_reroute, locmoe, capacity_position, capacity_probs, "
-                   "capacity_gate");
-  auto* tau_opt = post->add_option("--tau", tau, "admission threshold (cipher_*: 0, locmoe: 0.01 by default)");
-  post->add_option("--capacity-factor", capacity_factor, "admission (and --expert-choice) capacity factor");
-  post->add_option("--fill-factor", fill_factor, "cipher_reroute fill factor");
-  post->add_option("--groups", post_opt.admission_groups, "admission groups per batch (expert-parallel ranks)");
-  float locality = 0.0f;
-  post->add_option("--locality", locality,
-                   "locality penalty lambda_loc (LocMoE; CIPHER uses 0.01) on top of the condition: each of the "
-                   "--groups ranks hosts E / groups experts and routes its micro-batch");
-  post->add_flag("--admit-at-eval", admit_at_eval, "admission also when evaluating");
-  float witness_margin = std::numeric_limits<float>::quiet_NaN();
-  post->add_option("--witness-margin", witness_margin,
-                   "check every step's admission against CIPHER's Theorem 1 (analysis::signal_retention): a routed "
-                   "slot with cosine >= this margin is a signal; capacities by --capacity-factor");
-  bool pad_experts = false, fixed_router = false, expert_choice = false;
-  post->add_flag("--fixed-router", fixed_router,
-                 "train with the fixed assignment (t K + j) mod E (CIPHER eq. 3); evaluate with the learned router");
-  post->add_flag("--expert-choice", expert_choice,
-                 "train with expert-choice routing (each expert takes --capacity-factor x N K / E tokens by "
-                 "softmax score); evaluate with the learned router");
-  post->add_flag("--pad-experts", pad_experts,
-                 "run every expert on as many rows as the most loaded one (capacity-padded expert time)");
-  post->add_option("--out", post_out, "write the post-trained checkpoint here");
-  post->add_option("--steps", post_opt.steps, "training steps");
-  post->add_option("--batch", post_opt.batch_size, "examples per step");
-  post->add_option("--lr", post_opt.lr, "peak learning rate");
-  post->add_option("--seed", post_opt.seed, "batch-order seed (and shuffle seed)");
-  post->add_option("--lbl-alpha", cp.lbl_alpha, "lbl: alpha");
-  post->add_option("--beta", cp.beta, "rpb, within_soft: beta (with --calibrate-beta: in units of the calibrated beta)");
-  std::string prior_form_arg = "softmax";
-  post->add_option("--prior-form", prior_form_arg,
-                   "how the prior reads the base router: softmax (RPB, every preset) or gate_scores (the preset's "
-                   "scores normalised to sum 1)");
-  bool calibrate_beta = false;
-  double prior_logit_ratio = 1.0;
-  post->add_flag("--calibrate-beta", calibrate_beta,
-                 "scale beta so that sd(beta b) / sd(z), the prior bias's spread over the router logits', is "
-                 "--prior-logit-ratio (docs/results.md)");
-  post->add_option("--prior-logit-ratio", prior_logit_ratio, "--calibrate-beta: the target ratio (RPB: about 1)");
-  bool freeze_expert_bias = false;
-  post->add_flag("--freeze-expert-bias", freeze_expert_bias,
-                 "do not update the expert bias (it is never updated under a prior condition)");
-  post->add_option("--router-l2", cp.router_l2, "router_l2: lambda");
-  post->add_option("--kl", cp.kl_to_base, "kl_to_base: coefficient");
-  post->add_option("--logit-l2", cp.logit_l2, "logit_l2: coefficient");
-  post->add_option("--z-loss", cp.z_loss, "z_loss: coefficient");
-  post->add_option("--post-examples", post_examples, "use the first N post-training examples (0: all)");
-  post->add_option("--rho", rs.rho, "retention: kept edge fraction");
-  post->add_option("--nulls", rs.nulls, "retention: null-model resamples");
-  post->add_option("--detector-seed", rs.seed, "retention: community-detector and null-model seed");
-  std::string detector_arg = "louvain";
-  post->add_option("--detector", detector_arg, "retention: louvain or leiden");
-  post->add_flag("--eval-base", eval_base, "also evaluate the base model");
-  add_optimiser_options(post, post_opt);
-  add_data_options(post, post_data);
-
-  // eval
-  auto* ev = app.add_subcommand("eval", "evaluate a checkpoint per domain");
-  std::string eval_path, prompt;
-  data_options eval_data;
-  ev->add_option("--model", eval_path, "checkpoint")->required();
-  ev->add_option("--prompt", prompt, "print the greedy answer to this prompt instead");
-  add_data_options(ev, eval_data);
-
-  CLI11_PARSE(app, argc, argv);
+  const parsed_command parsed = parse_command_line(argc, argv, std::cout, std::cerr);
+  if (!parsed.cmd) return parsed.exit_code;
+  const command& cmd = *parsed.cmd;
   try {
-    torch::set_num_threads(threads);
-    if (!std::regex_match(device_arg, std::regex("cpu|cuda(:[0-9]+)?")))
-      throw std::invalid_argument("--device must be cpu, cuda or cuda:N, got \"" + device_arg + "\"");
-    const torch::Device device(device_arg);
+    torch::set_num_threads(cmd.common.threads);
+    const torch::Device device(cmd.common.device);
     if (device.is_cuda() && !cuda_backend_built())
-      throw std::invalid_argument("--device " + device_arg +
+      throw std::invalid_argument("--device " + cmd.common.device +
                                   ": this moe_lm was built without the CUDA backend (build it against a CUDA LibTorch "
                                   "with -DMOE_ROUTE_BUILD_CUDA_RUNTIME=ON)");
     if (device.is_cuda() && !torch::cuda::is_available())
-      throw std::invalid_argument("--device " + device_arg + ": no CUDA device is visible");
-    const auto start = std::chrono::steady_clock::now();
-    if (*pre) {
-      mc.gating = parse_preset(preset);
-      pre_opt.threads = threads;
-      pre_opt.log_every = log_every;
-      pre_opt.on_log = [&](const step_log& s) { progress("pretrain", s, pre_opt.steps); };
-      const split data = load_data(pre_data, mc.max_len);
-      torch::manual_seed(pre_opt.seed);
-      auto m = std::make_shared<model>(mc);
-      m->to(device);
-      rt::router_config r = preset_router(mc);
-      r.load_balance.coefficient = pre_lbl;
-      m->set_router(r);
-      const train_result tr = train(*m, data.train, pre_opt);
-      save_model(m, out_path);
-      const routing_trace trace = probe(*m, data.probe);
-      json layers = json::array();
-      for (std::int64_t l = 0; l < trace.layers; ++l)
-        layers.push_back(workload({trace.indices.begin() + l * trace.tokens * trace.k,
-                                   trace.indices.begin() + (l + 1) * trace.tokens * trace.k},
-                                  trace.tokens, trace.k, trace.experts));
-      emit({{"command", "pretrain"},
-            {"model", json::parse(to_json(mc))},
-            {"seed", pre_opt.seed},
-            {"steps", pre_opt.steps},
-            {"lr", pre_opt.lr},
-            {"beta2", pre_opt.beta2},
-            {"weight_decay", pre_opt.weight_decay},
-            {"lbl", pre_lbl},
-            {"prompt_loss", pre_opt.prompt_loss},
-            {"device", device.str()},
-            {"checkpoint", out_path},
-            {"train", train_json(tr, log_every)},
-            {"eval", metrics_json(evaluate(*m, data.eval))},
-            {"probe_workload", layers},
-            {"seconds", seconds_since(start)}},
-           json_path);
-    } else if (*post) {
-      auto m = load_model(base_path);
-      m->to(device);
-      const model_config& c = m->config();
-      const split data = load_data(post_data, c.max_len);
-      const domain dom = parse_domain(domain_arg);
-      std::vector<example> post_set = of_domain(data.post, dom);
-      if (post_examples > 0 && static_cast<std::size_t>(post_examples) < post_set.size())
-        post_set.resize(static_cast<std::size_t>(post_examples));
-      const std::vector<example> probe_set = of_domain(data.probe, dom);
-      const condition cond = parse_condition(condition_arg);
-      condition_setup cs = setup(cond, m->router(), cp);
-      const rt::router_config learned = cs.router;
-      if (fixed_router) {
-        if (cs.prior != prior_source::none)
-          throw std::invalid_argument("--fixed-router ignores the logits' ranking, so it cannot take a prior condition");
-        cs.router.selection = rt::selection_kind::fixed;
-      }
-      if (locality != 0.0f) {
-        if (post_opt.admission_groups < 2)
-          throw std::invalid_argument("--locality needs --groups >= 2 (the expert-parallel ranks)");
-        cs.router.locality.coefficient = locality;
-      }
-      if (expert_choice) {
-        if (cond != condition::sft || fixed_router || admission_arg != "dropless")
-          throw std::invalid_argument(
-              "--expert-choice replaces the router and admission while training, so it takes --condition sft, "
-              "--admission dropless and no --fixed-router");
-      }
-      const rt::admission_config adm =
-          admission_of(admission_arg, tau, tau_opt->count() > 0, capacity_factor, fill_factor);
-      rs.detector = parse_detector(detector_arg);
-      const prior_form form = parse_prior_form(prior_form_arg);
-      if (calibrate_beta && !(prior_logit_ratio > 0.0))
-        throw std::invalid_argument("--prior-logit-ratio must be positive");
-
-      json result = {{"command", "posttrain"}, {"base", base_path}, {"domain", domain_name(dom)},
-                     {"condition", condition_name(cond)}, {"seed", post_opt.seed},
-                     {"admission", admission_json(admission_arg, adm)}, {"pad_experts", pad_experts},
-                     {"fixed_router", fixed_router}, {"expert_choice", expert_choice},
-                     {"groups", post_opt.admission_groups}, {"locality", locality}, {"device", device.str()},
-                     {"model", json::parse(to_json(c))}};
-      if (eval_base) {
-        const auto base_metrics = evaluate(*m, data.eval);
-        result["base_eval"] = metrics_json(base_metrics);
-        result["base_summary"] = id_ood(base_metrics, domain_name(dom));
-      }
-      const routing_trace base_trace = probe(*m, probe_set);
-      if (cs.prior != prior_source::none) {
-        const int e = static_cast<int>(c.experts);
-        base_prior bp = build_prior(*m, post_set, form);
-        const std::vector<prior_table> unshuffled = prepare_prior(bp.pi, e);
-        // The spreads behind --calibrate-beta, layer means: the prior bias b and the router logits z.
-        double logit_sd = 0.0, bias_sd = 0.0, bias_range = 0.0;
-        for (std::size_t l = 0; l < bp.pi.size(); ++l) {
-          const row_spread b = spread(unshuffled[l].bias, e);
-          logit_sd += bp.logits[l].sd / static_cast<double>(bp.pi.size());
-          bias_sd += b.sd / static_cast<double>(bp.pi.size());
-          bias_range += b.range / static_cast<double>(bp.pi.size());
-        }
-        const double unit = calibrate_beta ? prior_logit_ratio * logit_sd / bias_sd : 1.0;
-        cs.router.prior_bias.beta = static_cast<float>(cp.beta * unit);
-        // beta and the ratio it gives only where the bias is added (the soft prior conditions).
-        const bool soft = cs.router.prior == rt::prior_kind::log_prior_bias;
-        result["prior"] = {{"form", prior_form_name(form)}, {"logit_sd", logit_sd}, {"bias_sd", bias_sd},
-                           {"bias_range", bias_range}, {"calibrated", calibrate_beta},
-                           {"target_ratio", calibrate_beta ? json(prior_logit_ratio) : json(nullptr)},
-                           {"beta_unit", unit}, {"beta", soft ? json(cs.router.prior_bias.beta) : json(nullptr)},
-                           {"ratio", soft ? json(cs.router.prior_bias.beta * bias_sd / logit_sd) : json(nullptr)}};
-        if (cs.prior == prior_source::within_shuffle || cs.prior == prior_source::global_shuffle) {
-          const std::vector<std::vector<float>> original = bp.pi;
-          if (cs.prior == prior_source::within_shuffle) {
-            const auto comm = communities(base_trace, rs);
-            shuffle_prior(bp.pi, e, &comm, post_opt.seed);
-          } else {
-            shuffle_prior(bp.pi, e, nullptr, post_opt.seed);
-          }
-          result["shuffle_validation"] = shuffle_validation(original, bp.pi, e, c.top_k, cs.router.prior_bias.beta);
-          m->set_prior(prepare_prior(bp.pi, e));
-        } else {
-          m->set_prior(unshuffled);
-        }
-      }
-      post_opt.prior_rows = cs.prior != prior_source::none;
-      post_opt.router_l2 = cs.router_l2;
-      post_opt.update_expert_bias = cs.update_expert_bias && !expert_choice && !freeze_expert_bias;
-      result["expert_bias_updates"] = post_opt.update_expert_bias && rt::selection_uses_bias(cs.router.selection);
-      result["optimiser"] = {{"lr", post_opt.lr}, {"beta2", post_opt.beta2}, {"weight_decay", post_opt.weight_decay},
-                             {"batch", post_opt.batch_size}, {"steps", post_opt.steps}};
-      if (cs.router_l2 != 0.0f)
-        for (const auto& w : m->router_weights()) post_opt.base_router.push_back(w.detach().clone());
-      post_opt.threads = threads;
-      post_opt.routed_affinities = true;
-      if (!std::isnan(witness_margin)) {
-        if (expert_choice)
-          throw std::invalid_argument("--witness-margin checks token-choice admission, not --expert-choice");
-        moe_route::analysis::signal_retention_options so;
-        so.margin = witness_margin;
-        so.capacity_factor = capacity_factor;
-        post_opt.signal_retention = so;
-        result["signal_retention"] = {{"margin", so.margin}, {"capacity_factor", so.capacity_factor},
-                                      {"eps", so.eps}, {"eta", so.eta}};
-      }
-      post_opt.log_every = log_every;
-      post_opt.on_log = [&](const step_log& s) { progress(condition_name(cond), s, post_opt.steps); };
-      m->set_router(cs.router);
-      m->set_admission(adm, admit_at_eval);
-      m->set_expert_padding(pad_experts);
-      if (expert_choice)
-        m->set_expert_choice(moe_route::selection::expert_choice{static_cast<int>(c.top_k), capacity_factor, 0});
-      const train_result tr = train(*m, post_set, post_opt);
-      if (fixed_router) m->set_router(learned);
-      m->set_expert_choice(std::nullopt);
-      const auto metrics = evaluate(*m, data.eval);
-      const routing_trace post_trace = probe(*m, probe_set);
-      result["train"] = train_json(tr, log_every);
-      result["eval"] = metrics_json(metrics);
-      result["summary"] = id_ood(metrics, domain_name(dom));
-      result["retention"] = retention(base_trace, post_trace, rs);
-      result["seconds"] = seconds_since(start);
-      if (!post_out.empty()) {
-        m->set_prior({});
-        m->set_admission(rt::admission_config{});
-        save_model(m, post_out);
-      }
-      emit(result, json_path);
-    } else if (*ev) {
-      auto m = load_model(eval_path);
-      m->to(device);
-      if (!prompt.empty()) {
-        std::cout << generate(*m, prompt, static_cast<int>(m->config().max_len)) << std::endl;
-        return 0;
-      }
-      const split data = load_data(eval_data, m->config().max_len);
-      emit({{"command", "eval"}, {"model", eval_path}, {"eval", metrics_json(evaluate(*m, data.eval))},
-            {"routing", routing_structure(probe(*m, data.probe), domain_names())},
-            {"seconds", seconds_since(start)}},
-           json_path);
-    }
+      throw std::invalid_argument("--device " + cmd.common.device + ": no CUDA device is visible");
+    std::optional<json> result;
+    if (const auto* p = std::get_if<pretrain_command>(&cmd.run)) result = pretrain(cmd.common, *p, device);
+    else if (const auto* q = std::get_if<posttrain_command>(&cmd.run)) result = posttrain(cmd.common, *q, device);
+    else result = eval(std::get<eval_command>(cmd.run), device);
+    if (result) emit(*result, cmd.common.json_path);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe_lm: %s\n", e.what());
     return 1;

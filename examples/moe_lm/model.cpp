@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data.hpp"
-#include "output_file.hpp"
+#include "common/output_file.hpp"
 // First: the runtime routers come compiled from moe_route::runtime.
 #include <moe_route/runtime/instantiate.hpp>
 
@@ -20,95 +20,6 @@
 #endif
 
 namespace moe_lm {
-
-namespace {
-constexpr std::pair<gating_preset, const char*> preset_names[] = {
-    {gating_preset::softmax, "softmax"},
-    {gating_preset::sigmoid_bias, "sigmoid_bias"},
-    {gating_preset::group_limited, "group_limited"},
-    {gating_preset::sqrt_softplus, "sqrt_softplus"},
-    {gating_preset::softmax_after_topk, "softmax_after_topk"}};
-}  // namespace
-
-const char* preset_name(gating_preset p) {
-  for (const auto& [preset, name] : preset_names)
-    if (preset == p) return name;
-  return "?";
-}
-
-gating_preset parse_preset(const std::string& name) {
-  std::string known;
-  for (const auto& [preset, n] : preset_names) {
-    if (name == n) return preset;
-    known += (known.empty() ? "" : ", ") + std::string(n);
-  }
-  throw std::invalid_argument("unknown gating preset \"" + name + "\" (" + known + ")");
-}
-
-std::string to_json(const model_config& c) {
-  nlohmann::json j{{"d_model", c.d_model},         {"layers", c.layers},
-                   {"heads", c.heads},             {"experts", c.experts},
-                   {"top_k", c.top_k},             {"expert_hidden", c.expert_hidden},
-                   {"shared_hidden", c.shared_hidden}, {"max_len", c.max_len},
-                   {"tie_embeddings", c.tie_embeddings}, {"rms_norm", c.rms_norm},
-                   {"gating", preset_name(c.gating)}, {"bias_update_rate", c.bias_update_rate}};
-  return j.dump();
-}
-
-model_config model_config_from_json(const std::string& s) {
-  const auto j = nlohmann::json::parse(s);
-  model_config c;
-  c.d_model = j.at("d_model");
-  c.layers = j.at("layers");
-  c.heads = j.at("heads");
-  c.experts = j.at("experts");
-  c.top_k = j.at("top_k");
-  c.expert_hidden = j.at("expert_hidden");
-  c.shared_hidden = j.at("shared_hidden");
-  c.max_len = j.at("max_len");
-  c.tie_embeddings = j.at("tie_embeddings");
-  c.rms_norm = j.at("rms_norm");
-  c.gating = parse_preset(j.at("gating").get<std::string>());
-  c.bias_update_rate = j.at("bias_update_rate");
-  return c;
-}
-
-rt::router_config preset_router(const model_config& c) {
-  rt::router_config r;
-  r.top_k = c.top_k;
-  r.bias_update_rate = c.bias_update_rate;
-  switch (c.gating) {
-    case gating_preset::softmax:
-      r.gating = rt::gating_kind::softmax;
-      r.selection = rt::selection_kind::top_k;
-      r.normalize = false;
-      break;
-    case gating_preset::sigmoid_bias:
-      r.gating = rt::gating_kind::sigmoid;
-      r.selection = rt::selection_kind::expert_bias;
-      r.normalize = true;
-      break;
-    case gating_preset::group_limited:
-      r.gating = rt::gating_kind::sigmoid;
-      r.selection = rt::selection_kind::group_limited_bias;
-      // 4 groups when E allows (E = 16: 4 experts each), the best 2 kept.
-      r.groups = c.experts % 4 == 0 ? 4 : 1;
-      r.top_groups = std::min(2, r.groups);
-      r.per_group_k = static_cast<int>(std::min<std::int64_t>(2, c.experts / r.groups));
-      r.normalize = true;
-      break;
-    case gating_preset::sqrt_softplus:
-      r.gating = rt::gating_kind::sqrt_softplus;
-      r.selection = rt::selection_kind::expert_bias;
-      r.normalize = true;
-      break;
-    case gating_preset::softmax_after_topk:
-      r.gating = rt::gating_kind::softmax_after_topk;
-      r.selection = rt::selection_kind::top_k;
-      break;
-  }
-  return r;
-}
 
 // ---------------------------------------------------------------------------
 // The routing op.
@@ -497,7 +408,6 @@ torch::Tensor moe_ffn::forward(const torch::Tensor& x, const routing_context& ct
 }
 
 block::block(const model_config& c) : cfg_(c) {
-  if (c.d_model % c.heads != 0) throw std::invalid_argument("model: d_model must be a multiple of heads");
   if (c.rms_norm) {
     rms1_ = register_module("norm1", std::make_shared<rms_norm>(c.d_model));
     rms2_ = register_module("norm2", std::make_shared<rms_norm>(c.d_model));
@@ -533,7 +443,7 @@ torch::Tensor block::forward(const torch::Tensor& x, const torch::Tensor& valid,
 }
 
 model::model(const model_config& c) : cfg_(c) {
-  if (c.top_k < 1 || c.top_k > c.experts) throw std::invalid_argument("model: top_k must be in [1, experts]");
+  check(c, naming::fields);
   embed_ = register_module("embed", torch::nn::Embedding(vocab::size, c.d_model));
   {
     torch::NoGradGuard guard;
@@ -631,7 +541,7 @@ void save_model(const std::shared_ptr<model>& m, const std::string& path) {
   torch::serialize::OutputArchive archive;
   m->save(archive);
   archive.write("moe_lm_config", c10::IValue(to_json(m->config())));
-  write_replacing(path, [&](const std::string& tmp) {
+  moe_route_examples::write_replacing(path, [&](const std::string& tmp) {
     try {
       archive.save_to(tmp);
     } catch (const c10::Error& e) {

@@ -20,47 +20,9 @@
 #include <moe_route/runtime/cpu.hpp>
 #include <moe_route/selection/expert_choice.hpp>
 
+#include "config.hpp"
+
 namespace moe_lm {
-
-namespace rt = moe_route::runtime;
-
-// The router presets of the base models, after the library's presets
-// (moe_route/presets.hpp) at this model's E and K.
-enum class gating_preset {
-  softmax,             // DeepSeek-V2-Lite: softmax scores, greedy top-k, gates not renormalised
-  sigmoid_bias,        // Moonlight: sigmoid scores, top-k of s + b (aux-loss-free bias), gates renormalised
-  group_limited,       // DeepSeek-V3: sigmoid_bias within group-limited top-k (4 groups when 4 divides E,
-                       // the best 2 kept, a group scored by its 2 best s + b)
-  sqrt_softplus,       // DeepSeek-V4: sqrt(softplus) scores, top-k of s + b, gates renormalised
-  softmax_after_topk,  // Mixtral: top-k of the logits, softmax over the K selected
-};
-const char* preset_name(gating_preset p);
-// Throws std::invalid_argument naming the known presets.
-gating_preset parse_preset(const std::string& name);
-
-// The architecture; saved with the weights.
-struct model_config {
-  std::int64_t d_model = 64;
-  std::int64_t layers = 2;
-  std::int64_t heads = 4;
-  // E = 64, K = 6: Moonlight's and DeepSeek-V2-Lite's routed geometry (the RPB paper's). At E = 16,
-  // K = 2 the co-activation graph has 120 pairs and rho = 0.1 keeps a dozen edges, so most experts are
-  // isolated singleton communities and NMI cannot separate methods.
-  std::int64_t experts = 64;
-  int top_k = 6;
-  std::int64_t expert_hidden = 16;   // per routed expert: fine-grained, K x hidden = 96
-  std::int64_t shared_hidden = 128;  // the shared expert
-  std::int64_t max_len = 48;         // positions
-  bool tie_embeddings = true;
-  bool rms_norm = true;  // RMSNorm, else LayerNorm
-  gating_preset gating = gating_preset::softmax;
-  float bias_update_rate = 1e-3f;  // sigmoid_bias: the expert-bias step
-};
-std::string to_json(const model_config& c);
-model_config model_config_from_json(const std::string& s);
-
-// The plain router of a preset (no prior, every penalty off).
-rt::router_config preset_router(const model_config& c);
 
 // A prepared prior table of one layer (moe_route::prior::prepare).
 struct prior_table {

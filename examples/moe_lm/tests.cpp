@@ -8,9 +8,13 @@
 #include <set>
 #include <string>
 
+#include <sstream>
+
 #include "analysis.hpp"
 #include "conditions.hpp"
+#include "config.hpp"
 #include "data.hpp"
+#include "options.hpp"
 
 #include "test_main.hpp"
 
@@ -257,6 +261,168 @@ TEST_CASE("JSONL loader: examples and errors with line numbers") {
   e = load_error("[1, 2]");
   CHECK(contains(e, ":1: expected a JSON object"));
   CHECK(contains(load_error("{\"prompt\": \"\", \"answer\": \"\", \"domain\": \"code\"}"), ":1: empty answer"));
+  CHECK(contains(load_error(""), "bad.jsonl: no examples"));
+  // nlohmann reports a number past double's range as out_of_range, not as a parse error.
+  CHECK(contains(load_error(good + "\n" + R"({"prompt": "1+1=", "answer": "2", "domain": "code", "x": 1e999})"),
+                 ":2: bad JSON"));
+  CHECK(contains(load_error("\n  \t\n"), "bad.jsonl: no examples"));
+}
+
+namespace {
+
+// The command line as moe_lm reads it: the parse and what it wrote to stderr.
+struct parse_outcome {
+  parsed_command parsed;
+  std::string err;
+};
+
+parse_outcome parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "moe_lm");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  std::ostringstream out, err;
+  parse_outcome o{parse_command_line(static_cast<int>(argv.size()), argv.data(), out, err), {}};
+  o.err = err.str();
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("command line: valid commands are read into their settings") {
+  const auto pre = parse({"--threads", "2", "pretrain", "--out", "m.pt", "--experts", "16", "--top-k", "2",
+                          "--gating", "sigmoid_bias", "--steps", "7", "--lr", "0.01", "--answer-only"});
+  REQUIRE(pre.parsed.cmd);
+  CHECK(pre.parsed.cmd->common.threads == 2);
+  const auto& p = std::get<pretrain_command>(pre.parsed.cmd->run);
+  CHECK(p.model.experts == 16);
+  CHECK(p.model.top_k == 2);
+  CHECK(p.model.gating == gating_preset::sigmoid_bias);
+  CHECK(p.train.steps == 7);
+  CHECK(p.train.lr == 0.01);
+  CHECK(!p.train.prompt_loss);
+
+  const std::string base = temp_file("base.pt", "a checkpoint's name: the parser does not read it");
+  const auto post = parse({"posttrain", "--base", base, "--domain", "code", "--condition", "rpb", "--admission",
+                           "cipher_reroute", "--tau", "0.2", "--capacity-factor", "1.5", "--witness-margin", "0.3"});
+  REQUIRE(post.parsed.cmd);
+  const auto& q = std::get<posttrain_command>(post.parsed.cmd->run);
+  CHECK(q.post_domain == domain::code);
+  CHECK(q.cond == condition::rpb);
+  CHECK(!q.admission.dropless);
+  CHECK(q.admission.overflow == rt::overflow_kind::reroute);
+  CHECK(q.admission.threshold == 0.2f);
+  CHECK(q.admission.capacity_factor == 1.5);
+  REQUIRE(q.witness_margin);
+  CHECK(*q.witness_margin == 0.3f);
+  std::remove(base.c_str());
+
+  const auto help = parse({"--help"});
+  CHECK(!help.parsed.cmd);
+  CHECK(help.parsed.exit_code == 0);
+}
+
+TEST_CASE("command line: every bad value is refused naming its option, before anything runs") {
+  const std::string base = temp_file("base.pt", "a checkpoint's name: the parser does not read it");
+  const std::vector<std::string> pre = {"pretrain", "--out", "m.pt"};
+  const std::vector<std::string> post = {"posttrain", "--base", base, "--domain", "words"};
+  const auto with = [](std::vector<std::string> base, std::initializer_list<std::string> more) {
+    base.insert(base.end(), more);
+    return base;
+  };
+  const std::pair<std::vector<std::string>, std::string> cases[] = {
+      {with(pre, {"--steps", "0"}), "--steps"},
+      {with(pre, {"--batch", "-3"}), "--batch"},
+      {with(pre, {"--lr", "nan"}), "--lr"},
+      {with(pre, {"--lr", "-1"}), "--lr"},
+      {with(pre, {"--lbl", "inf"}), "--lbl"},
+      {with(pre, {"--adam-beta2", "1"}), "--adam-beta2"},
+      {with(pre, {"--experts", "0"}), "--experts"},
+      {with(pre, {"--experts", "5000"}), "--experts"},
+      {with(pre, {"--top-k", "17", "--experts", "32"}), "--top-k"},
+      {with(pre, {"--top-k", "9", "--experts", "8"}), "--top-k"},
+      {with(pre, {"--heads", "3"}), "--d-model"},
+      {with(pre, {"--max-len", "3"}), "--max-len"},
+      {with(pre, {"--d-model", "1000000"}), "parameters"},
+      {with(pre, {"--bias-update-rate", "nan"}), "--bias-update-rate"},
+      {with(pre, {"--gating", "topk"}), "--gating"},
+      {with(pre, {"--train-per-domain", "0"}), "--train-per-domain"},
+      {with(pre, {"--steps", "1.5"}), "--steps"},
+      {{"--threads", "0", "pretrain", "--out", "m.pt"}, "--threads"},
+      {{"--device", "gpu", "pretrain", "--out", "m.pt"}, "--device"},
+      {{"--log-every", "-1", "pretrain", "--out", "m.pt"}, "--log-every"},
+      {{"pretrain"}, "--out"},
+      {{"pretrain", "--out", ""}, "--out"},
+      {{"--json", "", "pretrain", "--out", "m.pt"}, "--json"},
+      {with(pre, {"--train-jsonl", "no_such_file.jsonl"}), "--train-jsonl"},
+      {{"posttrain", "--base", "no_such_checkpoint.pt", "--domain", "words"}, "--base"},
+      {with(post, {"--domain", "poetry"}), "--domain"},
+      {with(post, {"--condition", "rbp"}), "--condition"},
+      {with(post, {"--admission", "cipher"}), "--admission"},
+      {with(post, {"--tau", "2"}), "--tau"},
+      {with(post, {"--capacity-factor", "0"}), "--capacity-factor"},
+      {with(post, {"--fill-factor", "inf"}), "--fill-factor"},
+      {with(post, {"--groups", "0"}), "--groups"},
+      {with(post, {"--locality", "0.01"}), "--locality"},
+      {with(post, {"--expert-choice", "--condition", "rpb"}), "--expert-choice"},
+      {with(post, {"--expert-choice", "--witness-margin", "0.1"}), "--witness-margin"},
+      {with(post, {"--fixed-router", "--condition", "kl_to_base"}), "--fixed-router"},
+      {with(post, {"--beta", "-1"}), "--beta"},
+      {with(post, {"--rho", "0"}), "--rho"},
+      {with(post, {"--nulls", "-1"}), "--nulls"},
+      {with(post, {"--detector", "infomap"}), "--detector"},
+      {with(post, {"--prior-form", "logits"}), "--prior-form"},
+      {with(post, {"--prior-logit-ratio", "0"}), "--prior-logit-ratio"},
+      {with(post, {"--post-examples", "-1"}), "--post-examples"},
+      {{"eval"}, "--model"},
+      {{"train"}, "train"},
+  };
+  for (const auto& [args, flag] : cases) {
+    const auto o = parse(args);
+    std::string line;
+    for (const auto& a : args) line += a + " ";
+    INFO(line, "-> ", o.err);
+    CHECK(!o.parsed.cmd);
+    CHECK(o.parsed.exit_code != 0);
+    CHECK(contains(o.err, flag));
+  }
+  std::remove(base.c_str());
+}
+
+TEST_CASE("checkpoint config: round trip, and every bad field refused by name") {
+  model_config c;
+  c.experts = 24;
+  c.top_k = 3;
+  c.gating = gating_preset::sqrt_softplus;
+  c.rms_norm = false;
+  const model_config back = model_config_from_json(to_json(c));
+  CHECK(to_json(back) == to_json(c));
+
+  const auto error_of = [](const std::string& text) {
+    try {
+      model_config_from_json(text);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  std::string j = to_json(c);
+  const auto replaced = [&](const std::string& from, const std::string& to) {
+    std::string t = j;
+    t.replace(t.find(from), from.size(), to);
+    return t;
+  };
+  CHECK(contains(error_of("not json"), "checkpoint config: not JSON"));
+  CHECK(contains(error_of(replaced("\"bias_update_rate\":0.0010000000474974513", "\"bias_update_rate\":1e999")),
+                 "checkpoint config: not JSON"));
+  CHECK(contains(error_of("[1]"), "not a JSON object"));
+  CHECK(contains(error_of(replaced("\"experts\":24", "\"experts\":0")), "experts (= 0) must be >= 1"));
+  CHECK(contains(error_of(replaced("\"experts\":24", "\"experts\":1e3")), "field \"experts\" must be an integer"));
+  CHECK(contains(error_of(replaced("\"top_k\":3", "\"top_k\":4294967299")), "field \"top_k\" must be an integer"));
+  CHECK(contains(error_of(replaced("\"top_k\":3", "\"top_k\":30")), "top_k (= 30) must be in [1, 16]"));
+  CHECK(contains(error_of(replaced("\"gating\":\"sqrt_softplus\"", "\"gating\":7")), "field \"gating\" must be a string"));
+  CHECK(contains(error_of(replaced("\"gating\":\"sqrt_softplus\"", "\"gating\":\"relu\"")), "unknown gating preset"));
+  CHECK(contains(error_of(replaced("\"rms_norm\":false,", "")), "no field \"rms_norm\""));
+  CHECK(contains(error_of(replaced("\"heads\":4", "\"heads\":5")), "d_model (= 64) must be a multiple of heads (= 5)"));
 }
 
 TEST_CASE("embedded data: deterministic, disjoint parts, exact answers") {

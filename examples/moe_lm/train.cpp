@@ -341,13 +341,6 @@ routing_trace probe(model& m, const std::vector<example>& data, int batch_size) 
   return tr;
 }
 
-const char* prior_form_name(prior_form f) { return f == prior_form::softmax ? "softmax" : "gate_scores"; }
-
-prior_form parse_prior_form(const std::string& name) {
-  if (name == "softmax") return prior_form::softmax;
-  if (name == "gate_scores") return prior_form::gate_scores;
-  throw std::invalid_argument("unknown prior form \"" + name + "\" (softmax, gate_scores)");
-}
 
 row_spread spread(const std::vector<float>& table, int experts) {
   row_spread out;

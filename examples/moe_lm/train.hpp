@@ -50,23 +50,14 @@ struct step_log {
   double window_loss = 0.0;  // mean task loss since the previous on_log call (set for on_log)
 };
 
-struct train_options {
-  int steps = 200;
-  int batch_size = 32;
-  double lr = 3e-3;          // peak learning rate
-  int warmup = -1;           // linear warm-up steps (< 0: min(100, steps / 10))
-  double final_lr_ratio = 0.1;  // cosine decay from lr to lr * final_lr_ratio after the warm-up
-  double clip = 1.0;  // global gradient-norm clip (0: none)
-  double beta2 = 0.95;        // AdamW's second-moment decay (RPB App. F: beta = (0.9, 0.95))
-  double weight_decay = 0.1;  // AdamW's decoupled decay, on the weight matrices only (not norm gains)
-  std::uint64_t seed = 0;
+// train_settings (config.hpp: what the command line sets) and what the
+// driver adds from the model and the condition.
+struct train_options : train_settings {
   int threads = 1;  // torch::set_num_threads (Debian's reference BLAS is single-threaded)
   bool update_expert_bias = true;  // expert_bias selections: selection::expert_bias::update each step
   float router_l2 = 0.0f;          // lambda of penalty::router_l2, against base_router
   std::vector<torch::Tensor> base_router;  // the frozen W_r of each layer
-  int admission_groups = 1;
   bool prior_rows = false;  // pass r(t) (the model has a prior or a prior-space penalty)
-  bool prompt_loss = false; // also predict the prompt bytes (language-model pretraining), not only the answer
   bool routed_affinities = false;  // keep every routed slot's cosine (train_result::routed_affinities)
   // When set, every step's admission is checked against CIPHER's Theorem 1
   // (analysis::signal_retention: the margin, the admission's capacity rule).
@@ -111,14 +102,6 @@ std::string generate(model& m, const std::string& prompt, int max_bytes, bool* e
 // (mode::eval: no prior, no penalty).
 routing_trace probe(model& m, const std::vector<example>& data, int batch_size = 256);
 
-// How the prior turns a token's router logits into a distribution over
-// experts: the softmax, on every preset (RPB builds its prior from the
-// softmaxed router probabilities, whatever the gate), or the preset's own
-// gate scores normalised to sum 1 (s / sum s on the sigmoid presets).
-enum class prior_form { softmax, gate_scores };
-const char* prior_form_name(prior_form f);
-// Throws std::invalid_argument naming the known forms.
-prior_form parse_prior_form(const std::string& name);
 
 // Across-expert spread of a [rows x E] table, as means over its rows: the
 // population standard deviation and the range (max - min).

@@ -19,9 +19,9 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (fs::is_directory(argv[i])) {
       for (const auto& entry : fs::directory_iterator(argv[i]))
-        if (entry.is_regular_file()) files.push_back(entry.path());
+        if (entry.is_regular_file()) files.push_back(fs::absolute(entry.path()));
     } else if (fs::is_regular_file(argv[i])) {
-      files.emplace_back(argv[i]);
+      files.push_back(fs::absolute(argv[i]));
     } else {
       std::fprintf(stderr, "%s: no such file or directory\n", argv[i]);
       return 2;
@@ -33,7 +33,12 @@ int main(int argc, char** argv) {
   }
   std::sort(files.begin(), files.end());
   for (const fs::path& f : files) {
+    // Absolute paths, and a check: some targets work in a directory of their own.
     std::ifstream in(f, std::ios::binary);
+    if (!in) {
+      std::fprintf(stderr, "%s: cannot be read\n", f.c_str());
+      return 2;
+    }
     const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     LLVMFuzzerTestOneInput(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size());
   }

@@ -1,6 +1,7 @@
-// Every file the driver writes (checkpoints, --json) goes through
-// write_replacing: a run killed or failing mid-write leaves the previous file
-// (or none) under the final name, never a truncated one.
+// Every file the example drivers write (moe_lm's checkpoints and --json,
+// moe_route_ep's --out) goes through write_replacing: a run killed or failing
+// mid-write leaves the previous file (or none) under the final name, never a
+// truncated one.
 #pragma once
 
 #include <filesystem>
@@ -11,7 +12,7 @@
 
 #include <unistd.h>
 
-namespace moe_lm {
+namespace moe_route_examples {
 
 // Calls write(tmp) with a temporary name beside `path` (same directory, so
 // the rename cannot cross file systems), then renames it to `path`. On any
@@ -30,4 +31,4 @@ inline void write_replacing(const std::string& path, const std::function<void(co
   }
 }
 
-}  // namespace moe_lm
+}  // namespace moe_route_examples

@@ -1,0 +1,79 @@
+#include "options.hpp"
+
+#include <cmath>
+#include <ostream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+namespace ep {
+
+namespace {
+
+// A finite value of T for which `ok` holds; `what` says which.
+template <class T, class Ok>
+CLI::Validator finite(std::string what, Ok ok) {
+  return CLI::Validator(
+      [what, ok](std::string& text) -> std::string {
+        T v{};
+        if (!CLI::detail::lexical_cast(text, v)) return "\"" + text + "\" is not a number";
+        if (!std::isfinite(v) || !ok(v)) return "value " + text + " must be finite and " + what;
+        return {};
+      },
+      "finite, " + what);
+}
+
+}  // namespace
+
+parsed_command parse_command_line(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  CLI::App app{"moe_route_ep: an expert-parallel MoE layer over MPI, its single-process reference, and their "
+               "comparison (docs/expert_parallel.md)"};
+  command c;
+  options& o = c.run;
+  std::vector<CLI::Option*> run_options = {
+      app.add_option("--router", o.router, "balanced or aux_free")
+          ->check(CLI::IsMember({"balanced", "aux_free"})),
+      app.add_option("--admission", o.admission, "capacity_probs, cipher_strict, cipher_reroute or dropless")
+          ->check(CLI::IsMember({"capacity_probs", "cipher_strict", "cipher_reroute", "dropless"})),
+      app.add_flag("--renormalize", o.renormalize, "drop policies: rescale the survivors of a token that lost a slot"),
+      app.add_option("--capacity-factor", o.capacity_factor, "admission capacity factor")
+          ->check(finite<double>("> 0", [](double v) { return v > 0.0; })),
+      app.add_option("--tau", o.tau, "cosine threshold of the cipher policies")
+          ->check(finite<float>("in [-1, 1]", [](float v) { return v >= -1.0f && v <= 1.0f; })),
+      app.add_option("--tokens-per-rank", o.tokens_per_rank, "tokens each rank owns")
+          ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20)),
+      app.add_option("--steps", o.steps, "training steps")->check(CLI::Range(1, 1 << 16)),
+      app.add_option("--seed", o.seed, "data and weight seed"),
+      app.add_option("--lr", o.learning_rate, "SGD learning rate")
+          ->check(finite<float>("> 0", [](float v) { return v > 0.0f; })),
+      app.add_option("--ranks-simulated", o.simulated_ranks,
+                     "run the single-process reference with this many ranks (a divisor of E = " +
+                         std::to_string(experts) + ") instead of MPI")
+          ->check(CLI::Range(1, experts)),
+      app.add_option("--out", o.out, "write the JSON record here")};
+  std::vector<std::string> files;
+  auto* compare_opt = app.add_option("--compare", files, "compare two records: REFERENCE RUN")
+                          ->expected(2)
+                          ->check(CLI::ExistingFile);
+  parsed_command result;
+  try {
+    app.parse(argc, argv);
+    if (o.simulated_ranks > 0 && experts % o.simulated_ranks != 0)
+      throw CLI::ValidationError("--ranks-simulated", "must divide E = " + std::to_string(experts) + ", got " +
+                                                          std::to_string(o.simulated_ranks));
+    if (compare_opt->count() > 0) {
+      for (const CLI::Option* opt : run_options)
+        if (opt->count() > 0)
+          throw CLI::ValidationError("--compare", "takes no other option (got " + opt->get_name() + ")");
+      c.reference = files[0];
+      c.candidate = files[1];
+    }
+    if (run_options.back()->count() > 0 && o.out.empty()) throw CLI::ValidationError("--out", "needs a file name");
+    result.cmd = std::move(c);
+  } catch (const CLI::ParseError& error) {
+    result.exit_code = app.exit(error, out, err);
+  }
+  return result;
+}
+
+}  // namespace ep
