@@ -6,24 +6,12 @@
 
 #include <CLI/CLI.hpp>
 
+#include "common/cli_checks.hpp"
+
 namespace ep {
 
-namespace {
-
-// A finite value of T for which `ok` holds; `what` says which.
-template <class T, class Ok>
-CLI::Validator finite(std::string what, Ok ok) {
-  return CLI::Validator(
-      [what, ok](std::string& text) -> std::string {
-        T v{};
-        if (!CLI::detail::lexical_cast(text, v)) return "\"" + text + "\" is not a number";
-        if (!std::isfinite(v) || !ok(v)) return "value " + text + " must be finite and " + what;
-        return {};
-      },
-      "finite, " + what);
-}
-
-}  // namespace
+using moe_route_examples::cosine;
+using moe_route_examples::positive;
 
 parsed_command parse_command_line(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
   CLI::App app{"moe_route_ep: an expert-parallel MoE layer over MPI, its single-process reference, and their "
@@ -37,15 +25,15 @@ parsed_command parse_command_line(int argc, const char* const* argv, std::ostrea
           ->check(CLI::IsMember({"capacity_probs", "cipher_strict", "cipher_reroute", "dropless"})),
       app.add_flag("--renormalize", o.renormalize, "drop policies: rescale the survivors of a token that lost a slot"),
       app.add_option("--capacity-factor", o.capacity_factor, "admission capacity factor")
-          ->check(finite<double>("> 0", [](double v) { return v > 0.0; })),
+          ->check(positive<double>()),
       app.add_option("--tau", o.tau, "cosine threshold of the cipher policies")
-          ->check(finite<float>("in [-1, 1]", [](float v) { return v >= -1.0f && v <= 1.0f; })),
+          ->check(cosine<float>()),
       app.add_option("--tokens-per-rank", o.tokens_per_rank, "tokens each rank owns")
           ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20)),
       app.add_option("--steps", o.steps, "training steps")->check(CLI::Range(1, 1 << 16)),
       app.add_option("--seed", o.seed, "data and weight seed"),
       app.add_option("--lr", o.learning_rate, "SGD learning rate")
-          ->check(finite<float>("> 0", [](float v) { return v > 0.0f; })),
+          ->check(positive<float>()),
       app.add_option("--ranks-simulated", o.simulated_ranks,
                      "run the single-process reference with this many ranks (a divisor of E = " +
                          std::to_string(experts) + ") instead of MPI")

@@ -10,32 +10,16 @@
 
 #include <moe_route/adapters/detail/config_text.hpp>
 
+#include "common/cli_checks.hpp"
+
 namespace moe_lm {
 
 namespace {
 
-// A finite value of T for which `ok` holds; `what` says which, in the help and
-// in the error ("--lr: value nan must be finite and > 0").
-template <class T, class Ok>
-CLI::Validator finite(std::string what, Ok ok) {
-  return CLI::Validator(
-      [what, ok](std::string& text) -> std::string {
-        T v{};
-        if (!CLI::detail::lexical_cast(text, v)) return "\"" + text + "\" is not a number";
-        if (!std::isfinite(v) || !ok(v)) return "value " + text + " must be finite and " + what;
-        return {};
-      },
-      "finite, " + what);
-}
-
-template <class T>
-CLI::Validator positive() {
-  return finite<T>("> 0", [](T v) { return v > T(0); });
-}
-template <class T>
-CLI::Validator non_negative() {
-  return finite<T>(">= 0", [](T v) { return v >= T(0); });
-}
+using moe_route_examples::cosine;
+using moe_route_examples::finite;
+using moe_route_examples::non_negative;
+using moe_route_examples::positive;
 
 // Integers in [lo, hi].
 template <class T>
@@ -125,12 +109,14 @@ parsed_command parse_command_line(int argc, const char* const* argv, std::ostrea
   pre->add_option("--shared-hidden", mc.shared_hidden, "hidden width of the shared expert");
   pre->add_option("--max-len", mc.max_len, "positions");
   pre->add_option("--bias-update-rate", mc.bias_update_rate, "presets with an expert bias: its step");
-  pre->add_flag("--untied", [&](std::int64_t) { mc.tie_embeddings = false; }, "untie the output head");
-  pre->add_flag("--layer-norm", [&](std::int64_t) { mc.rms_norm = false; }, "LayerNorm instead of RMSNorm");
+  // Flags into bools: CLI11 2.1's flag callbacks let std::stoll's exception out for --flag=text.
+  bool untied = false, layer_norm = false, answer_only = false;
+  pre->add_flag("--untied", untied, "untie the output head");
+  pre->add_flag("--layer-norm", layer_norm, "LayerNorm instead of RMSNorm");
   add_training_options(pre, p.train, "initialisation and batch-order seed");
   pre->add_option("--lbl", p.lbl, "load-balancing coefficient alpha during pretraining")
       ->check(non_negative<float>());
-  pre->add_flag("--answer-only", [&](std::int64_t) { p.train.prompt_loss = false; },
+  pre->add_flag("--answer-only", answer_only,
                 "train on the answer span only (default: predict the prompt bytes too, as a language model)");
   add_data_options(pre, p.data);
 
@@ -151,7 +137,7 @@ parsed_command parse_command_line(int argc, const char* const* argv, std::ostrea
                    "dropless, cipher_strict, cipher_reroute, locmoe, capacity_position, capacity_probs, "
                    "capacity_gate");
   auto* tau_opt = post->add_option("--tau", tau, "admission threshold (cipher_*: 0, locmoe: 0.01 by default)")
-                      ->check(finite<float>("in [-1, 1]", [](float v) { return v >= -1.0f && v <= 1.0f; }));
+                      ->check(cosine<float>());
   post->add_option("--capacity-factor", q.capacity_factor, "admission (and --expert-choice) capacity factor")
       ->check(positive<double>());
   post->add_option("--fill-factor", fill_factor, "cipher_reroute fill factor")->check(positive<double>());
@@ -166,7 +152,7 @@ parsed_command parse_command_line(int argc, const char* const* argv, std::ostrea
       post->add_option("--witness-margin", witness_margin,
                        "check every step's admission against CIPHER's Theorem 1 (analysis::signal_retention): a "
                        "routed slot with cosine >= this margin is a signal; capacities by --capacity-factor")
-          ->check(finite<float>("in [-1, 1]", [](float v) { return v >= -1.0f && v <= 1.0f; }));
+          ->check(cosine<float>());
   post->add_flag("--fixed-router", q.fixed_router,
                  "train with the fixed assignment (t K + j) mod E (CIPHER eq. 3); evaluate with the learned router");
   post->add_flag("--expert-choice", q.expert_choice,
@@ -219,6 +205,9 @@ parsed_command parse_command_line(int argc, const char* const* argv, std::ostrea
     command c{common, {}};
     if (*pre) {
       mc.gating = named("--gating", [&] { return parse_preset(preset); });
+      mc.tie_embeddings = !untied;
+      mc.rms_norm = !layer_norm;
+      p.train.prompt_loss = !answer_only;
       named("", [&] { check(mc, naming::flags); });
       c.run = p;
     } else if (*post) {
@@ -242,7 +231,15 @@ parsed_command parse_command_line(int argc, const char* const* argv, std::ostrea
                                    "sft, --admission dropless and no --fixed-router");
       if (q.expert_choice && q.witness_margin)
         throw CLI::ValidationError("--witness-margin", "checks token-choice admission, not --expert-choice");
-      if (q.fixed_router && setup(q.cond, rt::router_config{}, q.params).prior != prior_source::none)
+      const condition_setup cs = setup(q.cond, rt::router_config{}, q.params);
+      if (!q.admission.dropless && q.admission.overflow == rt::overflow_kind::reroute &&
+          cs.router.prior == rt::prior_kind::log_prior_bias && cs.router.prior_bias.beta != 0.0f &&
+          cs.router.prior_bias.bias_gates)
+        throw CLI::ValidationError("--admission",
+                                   q.admission_name + " cannot run under --condition " + condition_arg +
+                                       " (a soft prior with --beta != 0): its rerouted gates would come from the "
+                                       "unbiased logits, the routed ones from the biased logits");
+      if (q.fixed_router && cs.prior != prior_source::none)
         throw CLI::ValidationError("--fixed-router",
                                    "ignores the logits' ranking, so it cannot take a condition with a prior");
       c.run = q;

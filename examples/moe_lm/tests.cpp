@@ -302,18 +302,23 @@ TEST_CASE("command line: valid commands are read into their settings") {
   CHECK(!p.train.prompt_loss);
 
   const std::string base = temp_file("base.pt", "a checkpoint's name: the parser does not read it");
-  const auto post = parse({"posttrain", "--base", base, "--domain", "code", "--condition", "rpb", "--admission",
+  const auto post = parse({"posttrain", "--base", base, "--domain", "code", "--condition", "z_loss", "--admission",
                            "cipher_reroute", "--tau", "0.2", "--capacity-factor", "1.5", "--witness-margin", "0.3"});
   REQUIRE(post.parsed.cmd);
   const auto& q = std::get<posttrain_command>(post.parsed.cmd->run);
   CHECK(q.post_domain == domain::code);
-  CHECK(q.cond == condition::rpb);
+  CHECK(q.cond == condition::z_loss);
   CHECK(!q.admission.dropless);
   CHECK(q.admission.overflow == rt::overflow_kind::reroute);
   CHECK(q.admission.threshold == 0.2f);
   CHECK(q.admission.capacity_factor == 1.5);
   REQUIRE(q.witness_margin);
   CHECK(*q.witness_margin == 0.3f);
+
+  // A soft prior with beta = 0 adds nothing, so reroute admission may run under it.
+  CHECK(parse({"posttrain", "--base", base, "--domain", "code", "--condition", "rpb", "--beta", "0", "--admission",
+               "cipher_reroute"})
+            .parsed.cmd);
   std::remove(base.c_str());
 
   const auto help = parse({"--help"});
@@ -351,6 +356,7 @@ TEST_CASE("command line: every bad value is refused naming its option, before an
       {{"--device", "gpu", "pretrain", "--out", "m.pt"}, "--device"},
       {{"--log-every", "-1", "pretrain", "--out", "m.pt"}, "--log-every"},
       {{"pretrain"}, "--out"},
+      {with(pre, {"--answer-only=--x"}), "--answer-only"},  // CLI11 2.1 threw std::stoll's exception here
       {{"pretrain", "--out", ""}, "--out"},
       {{"--json", "", "pretrain", "--out", "m.pt"}, "--json"},
       {with(pre, {"--train-jsonl", "no_such_file.jsonl"}), "--train-jsonl"},
@@ -366,6 +372,7 @@ TEST_CASE("command line: every bad value is refused naming its option, before an
       {with(post, {"--expert-choice", "--condition", "rpb"}), "--expert-choice"},
       {with(post, {"--expert-choice", "--witness-margin", "0.1"}), "--witness-margin"},
       {with(post, {"--fixed-router", "--condition", "kl_to_base"}), "--fixed-router"},
+      {with(post, {"--condition", "within_soft", "--admission", "cipher_reroute"}), "--admission"},
       {with(post, {"--beta", "-1"}), "--beta"},
       {with(post, {"--rho", "0"}), "--rho"},
       {with(post, {"--nulls", "-1"}), "--nulls"},

@@ -32,16 +32,7 @@ const std::filesystem::path& sandbox() {
 }
 
 void check_command_line(const std::string& text) {
-  std::vector<std::string> args{"moe_route_ep"};
-  std::string arg;
-  for (std::size_t i = 0; i <= text.size(); ++i) {
-    if (i == text.size() || text[i] == '\n') {
-      args.push_back(arg);
-      arg.clear();
-    } else {
-      arg += text[i];
-    }
-  }
+  const std::vector<std::string> args = fuzz::argument_lines(text, "moe_route_ep");
   std::vector<const char*> argv;
   for (const std::string& a : args) argv.push_back(a.c_str());
   std::ostringstream out, err;

@@ -85,6 +85,22 @@ bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
+// A command line from text, one argument per line (empty lines are empty
+// arguments), after the program's name.
+inline std::vector<std::string> argument_lines(const std::string& text, const char* program) {
+  std::vector<std::string> args{program};
+  std::string arg;
+  for (std::size_t i = 0; i <= text.size(); ++i) {
+    if (i == text.size() || text[i] == '\n') {
+      args.push_back(arg);
+      arg.clear();
+    } else {
+      arg += text[i];
+    }
+  }
+  return args;
+}
+
 // A finding: print what and where, then abort so libFuzzer keeps the input.
 [[noreturn]] inline void finding(const std::string& what) {
   std::fprintf(stderr, "fuzz finding: %s\n", what.c_str());

@@ -89,8 +89,11 @@ void check_posttrain(const posttrain_command& q) {
   FUZZ_CHECK(!q.expert_choice || (q.cond == condition::sft && !q.fixed_router && q.admission.dropless &&
                                   !q.witness_margin),
              "expert choice with another router change");
-  FUZZ_CHECK(!q.fixed_router || setup(q.cond, rt::router_config{}, q.params).prior == prior_source::none,
-             "fixed router with a prior");
+  const condition_setup cs = setup(q.cond, rt::router_config{}, q.params);
+  FUZZ_CHECK(!q.fixed_router || cs.prior == prior_source::none, "fixed router with a prior");
+  FUZZ_CHECK(q.admission.dropless || q.admission.overflow != rt::overflow_kind::reroute ||
+                 cs.router.prior != rt::prior_kind::log_prior_bias || q.params.beta == 0.0f,
+             "reroute admission under a soft prior");
   const condition_params& p = q.params;
   for (float v : {p.lbl_alpha, p.beta, p.router_l2, p.kl_to_base, p.logit_l2, p.z_loss})
     FUZZ_CHECK(finite_at_least(v, 0.0), "a condition coefficient");
@@ -104,16 +107,8 @@ void check_posttrain(const posttrain_command& q) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   enter_the_sandbox();
-  std::vector<std::string> args{"moe_lm"};
-  std::string arg;
-  for (std::size_t i = 0; i <= size; ++i) {
-    if (i == size || data[i] == '\n') {
-      args.push_back(arg);
-      arg.clear();
-    } else {
-      arg += static_cast<char>(data[i]);
-    }
-  }
+  const std::vector<std::string> args =
+      fuzz::argument_lines(std::string(reinterpret_cast<const char*>(data), size), "moe_lm");
   std::vector<const char*> argv;
   for (const std::string& a : args) argv.push_back(a.c_str());
   std::ostringstream out, err;
