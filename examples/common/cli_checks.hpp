@@ -1,5 +1,6 @@
-// The range checks the example drivers' command lines share (CLI11
-// validators): CLI11's own Range and PositiveNumber let NaN through.
+// The checks the example drivers' command lines share (CLI11 validators):
+// finite ranges (CLI11's own Range and PositiveNumber let NaN through) and
+// output file names.
 #pragma once
 
 #include <cmath>
@@ -37,6 +38,12 @@ CLI::Validator non_negative() {
 template <class T>
 CLI::Validator cosine() {
   return finite<T>("in [-1, 1]", [](T v) { return v >= T(-1) && v <= T(1); });
+}
+
+// A file to write: any name but the empty one.
+inline CLI::Validator file_name() {
+  return CLI::Validator([](std::string& text) { return text.empty() ? std::string("needs a file name") : std::string(); },
+                        "FILE");
 }
 
 }  // namespace moe_route_examples

@@ -99,24 +99,24 @@ bool numeric(const json& v) {
   return true;
 }
 
+[[noreturn]] void not_a_record(const std::string& name, const std::string& what) {
+  throw std::runtime_error(name + ": not a moe_route_ep record (" + what + ")");
+}
+
 void check_fields(const json& j, const char* where, const rule* rules, std::size_t count, const std::string& name) {
-  const auto fail = [&](const std::string& what) {
-    throw std::runtime_error(name + ": not a moe_route_ep record (" + what + ")");
-  };
-  if (!j.is_object()) fail(std::string(where) + " is not an object");
+  if (!j.is_object()) not_a_record(name, std::string(where) + " is not an object");
   for (std::size_t r = 0; r < count; ++r) {
     const json::json_pointer p(rules[r].path);
-    if (!j.contains(p)) fail(std::string(where) + " has no " + rules[r].path);
-    if (!numeric(j.at(p))) fail(std::string(where) + rules[r].path + " is not a number or an array of numbers");
+    if (!j.contains(p)) not_a_record(name, std::string(where) + " has no " + rules[r].path);
+    if (!numeric(j.at(p)))
+      not_a_record(name, std::string(where) + rules[r].path + " is not a number or an array of numbers");
   }
 }
 
 }  // namespace
 
 void check_record(const json& record, const std::string& name) {
-  const auto fail = [&](const std::string& what) {
-    throw std::runtime_error(name + ": not a moe_route_ep record (" + what + ")");
-  };
+  const auto fail = [&](const std::string& what) { not_a_record(name, what); };
   if (!record.is_object()) fail("not a JSON object");
   if (!record.contains("layer") || !record["layer"].is_object()) fail("no \"layer\" object");
   if (!record.contains("steps") || !record["steps"].is_array()) fail("no \"steps\" array");

@@ -1,8 +1,8 @@
 #include "options.hpp"
 
-#include <cmath>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -11,6 +11,7 @@
 namespace ep {
 
 using moe_route_examples::cosine;
+using moe_route_examples::file_name;
 using moe_route_examples::positive;
 
 parsed_command parse_command_line(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
@@ -38,7 +39,7 @@ parsed_command parse_command_line(int argc, const char* const* argv, std::ostrea
                      "run the single-process reference with this many ranks (a divisor of E = " +
                          std::to_string(experts) + ") instead of MPI")
           ->check(CLI::Range(1, experts)),
-      app.add_option("--out", o.out, "write the JSON record here")};
+      app.add_option("--out", o.out, "write the JSON record here")->check(file_name())};
   std::vector<std::string> files;
   auto* compare_opt = app.add_option("--compare", files, "compare two records: REFERENCE RUN")
                           ->expected(2)
@@ -56,7 +57,6 @@ parsed_command parse_command_line(int argc, const char* const* argv, std::ostrea
       c.reference = files[0];
       c.candidate = files[1];
     }
-    if (run_options.back()->count() > 0 && o.out.empty()) throw CLI::ValidationError("--out", "needs a file name");
     result.cmd = std::move(c);
   } catch (const CLI::ParseError& error) {
     result.exit_code = app.exit(error, out, err);

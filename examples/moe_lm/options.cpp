@@ -17,6 +17,7 @@ namespace moe_lm {
 namespace {
 
 using moe_route_examples::cosine;
+using moe_route_examples::file_name;
 using moe_route_examples::finite;
 using moe_route_examples::non_negative;
 using moe_route_examples::positive;
@@ -26,10 +27,6 @@ template <class T>
 CLI::Range between(T lo, T hi) {
   return CLI::Range(lo, hi);
 }
-
-// A file to write: any name but the empty one.
-const CLI::Validator file_name(
-    [](std::string& text) -> std::string { return text.empty() ? "needs a file name" : std::string(); }, "FILE");
 
 constexpr int max_count = 1 << 30;  // steps, batches, examples: far past any run, far from int's end
 
@@ -81,7 +78,7 @@ parsed_command parse_command_line(int argc, const char* const* argv, std::ostrea
   app.require_subcommand(1);
   common_options common;
   app.add_option("--threads", common.threads, "torch threads")->check(between(1, 1024));
-  app.add_option("--json", common.json_path, "also write the result JSON here")->check(file_name);
+  app.add_option("--json", common.json_path, "also write the result JSON here")->check(file_name());
   app.add_option("--log-every", common.log_every, "progress line every N steps (0: none)")
       ->check(between(0, max_count));
   app.add_option("--device", common.device,
@@ -95,7 +92,7 @@ parsed_command parse_command_line(int argc, const char* const* argv, std::ostrea
   p.train.prompt_loss = true;
   std::string preset = "softmax";
   model_config& mc = p.model;
-  pre->add_option("--out", p.out, "checkpoint to write")->required()->check(file_name);
+  pre->add_option("--out", p.out, "checkpoint to write")->required()->check(file_name());
   pre->add_option("--gating", preset,
                   "router preset: softmax (DeepSeek-V2-Lite), sigmoid_bias (Moonlight), group_limited (DeepSeek-V3), "
                   "sqrt_softplus (DeepSeek-V4) or softmax_after_topk (Mixtral)");
@@ -160,7 +157,7 @@ parsed_command parse_command_line(int argc, const char* const* argv, std::ostrea
                  "softmax score); evaluate with the learned router");
   post->add_flag("--pad-experts", q.pad_experts,
                  "run every expert on as many rows as the most loaded one (capacity-padded expert time)");
-  post->add_option("--out", q.out, "write the post-trained checkpoint here")->check(file_name);
+  post->add_option("--out", q.out, "write the post-trained checkpoint here")->check(file_name());
   add_training_options(post, q.train, "batch-order seed (and shuffle seed)");
   post->add_option("--lbl-alpha", q.params.lbl_alpha, "lbl: alpha")->check(non_negative<float>());
   post->add_option("--beta", q.params.beta,
