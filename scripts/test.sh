@@ -2,8 +2,9 @@
 # The test command: install dependencies, configure (default preset: CPU plus
 # the CUDA backend compiled for sm_80/sm_90 when nvcc exists), build the tests,
 # examples and the Python extension, run the whole suite; then the sanitizer
-# stage: the fuzz corpora replayed under ASan + UBSan and under ThreadSanitizer
-# (scripts/sanitize.sh, docs/reliability.md "Sanitizers").
+# stage: the CPU suite and the fuzz corpora under ASan + UBSan, the threaded
+# cases and corpora under ThreadSanitizer (scripts/sanitize.sh,
+# docs/reliability.md "Sanitizers").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --fuzz
