@@ -2,7 +2,8 @@
 //
 // Route + admission + dispatch end to end, for every admission preset and for
 // expert choice, at N in {4096, 65536} tokens and (E, K) in {(64, 6), (256, 8)},
-// 1 and 2 threads:
+// 1 and 2 threads (and, named threads/..., the admission call alone on one and
+// two threads from N = 256 up: register_thread_benchmarks):
 //   library   cpu::route (DeepSeek-V2-Lite's router: softmax top-K, no
 //             normalisation, Megatron's moe_router_pre_softmax=True, for which
 //             the "probs" rank is the score s), cpu::admit with the preset, cpu::dispatch
@@ -39,6 +40,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -49,6 +51,8 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include <moe_route/backend/cpu/admit.hpp>
@@ -476,6 +480,68 @@ void register_all(const std::vector<const shape*>& shapes) {
     }
 }
 
+// threads/<policy>/E<e>_K<k>/N<n>/<t1 | t2 | t2_rule>/<cold | warm>: the
+// admission call alone (expert choice: the selection) at (E, K) = (64, 6) and
+// (256, 8), each call after 1 ms idle as between a model's router calls (cold:
+// the pool's worker asleep) or back to back (warm): where a second thread
+// starts to pay. t2 splits at any size (min_tokens_per_thread = 1); t2_rule
+// keeps the backend's minimum tokens a thread (cpu/detail/threads.hpp).
+void register_thread_benchmarks() {
+  struct mode {
+    const char* name;
+    mr::cpu::execution ex;
+  };
+  const mode modes[] = {{"t1", {1, mr::cpu::instruction_set::best, 0}},
+                        {"t2", {2, mr::cpu::instruction_set::best, 1}},
+                        {"t2_rule", {2, mr::cpu::instruction_set::best, 0}}};
+  static std::vector<std::unique_ptr<shape>> inputs;  // outlive the registration
+  for (const auto& [e, k] : {std::pair{64, 6}, std::pair{256, 8}})
+    for (const std::int64_t n : {256, 512, 1024, 2048, 4096, 8192, 16384}) {
+      inputs.push_back(std::make_unique<shape>(n, e, k));
+      const shape* s = inputs.back().get();
+      for (const policy p : {policy::capacity_probs, policy::cipher_strict, policy::cipher_reroute, policy::expert_choice})
+        for (const mode& md : modes)
+          for (const bool cold : {true, false}) {
+            const std::string label = std::string("threads/") + policy_name(p) + "/E" + std::to_string(e) + "_K" +
+                                      std::to_string(k) + "/N" + std::to_string(n) + "/" + md.name +
+                                      (cold ? "/cold" : "/warm");
+            benchmark::RegisterBenchmark(label.c_str(), [s, p, md, cold](benchmark::State& state) {
+              lib_buffers b(*s, p);
+              library_run(*s, p, b, 1, nullptr);  // the routed indices the admission reads
+              const auto r = s->router();
+              mr::admission_inputs<float> in;
+              in.logits = s->logits.data();
+              in.num_tokens = s->tokens;
+              in.num_experts = s->experts;
+              in.routed_indices = b.routed.data();
+              in.routed_gates = b.routed_gates.data();
+              in.hidden_norms = s->hidden_norms.data();
+              in.weight_norms = s->weight_norms.data();
+              mr::selection::expert_choice sel;
+              sel.top_k = s->top_k;
+              sel.capacity_factor = cf;
+              const mr::expert_choice_inputs<float> ec_in{s->logits.data(), s->tokens, s->experts};
+              const mr::expert_choice_outputs ec_out{b.indices.data(), b.gates.data(), nullptr, nullptr};
+              const mr::admission_outputs out{b.indices.data(), b.gates.data(), nullptr, nullptr};
+              for (auto _ : state) {
+                if (cold) std::this_thread::sleep_for(std::chrono::milliseconds(1));  // the pool's workers fall asleep
+                const auto start = std::chrono::steady_clock::now();
+                if (p == policy::expert_choice)
+                  mr::cpu::expert_choice(sel, ec_in, ec_out, md.ex);
+                else
+                  with_policy(p, [&](const auto& pol) { mr::cpu::admit(r, pol, in, out, md.ex); });
+                state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+              }
+            })
+                ->Unit(benchmark::kMicrosecond)
+                ->UseManualTime()
+                ->Iterations(200)  // of manual time only: the idle millisecond does not count towards a minimum time
+                ->Repetitions(3)
+                ->ReportAggregatesOnly(true);
+          }
+    }
+}
+
 // The LibTorch benchmark a library benchmark is compared with.
 std::string peer_name(const std::string& name) {
   std::string peer = bench::libtorch_name(name);
@@ -559,6 +625,7 @@ int main(int argc, char** argv) {
     for (policy p : policies) check(*s, p);
 
   register_all(shapes);
+  register_thread_benchmarks();
   ratio_reporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   print_table(shapes, reporter);
