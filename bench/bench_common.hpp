@@ -1,5 +1,5 @@
 // moe_route benchmarks: what the CPU benchmarks (cpu_router_bench.cpp,
-// cpu_training_bench.cpp, cpu_admission_bench.cpp) share -- the reporter that
+// cpu_training_bench.cpp, cpu_admission_bench.cpp, cpu_isa_bench.cpp) share -- the reporter that
 // keeps each benchmark's fastest repetition, the cells of their tables,
 // registration, seeded router inputs and the agreement checks' distance.
 // No LibTorch header: torch_reference.hpp is a plain interface.
@@ -8,12 +8,14 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <map>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -144,6 +146,25 @@ void time_loop(benchmark::State& state, std::int64_t items, F&& body) {
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * items);
+}
+
+// The threads/ benchmarks: per iteration one call, timed alone, after 1 ms
+// idle when `cold` (the worker pool's threads fall asleep, as between a
+// model's router calls) or back to back.
+template <class F>
+void time_single_calls(benchmark::State& state, bool cold, F&& call) {
+  for (auto _ : state) {
+    if (cold) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const auto start = std::chrono::steady_clock::now();
+    call();
+    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+}
+
+// Their settings: 200 calls (of manual time only, so the idle millisecond does
+// not count towards a minimum time), median of 3 repetitions, in µs.
+inline void single_call_settings(benchmark::internal::Benchmark* b) {
+  b->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(200)->Repetitions(3)->ReportAggregatesOnly(true);
 }
 
 // ---------------------------------------------------------------- inputs and checks

@@ -40,7 +40,6 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -51,7 +50,6 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -523,21 +521,13 @@ void register_thread_benchmarks() {
               const mr::expert_choice_inputs<float> ec_in{s->logits.data(), s->tokens, s->experts};
               const mr::expert_choice_outputs ec_out{b.indices.data(), b.gates.data(), nullptr, nullptr};
               const mr::admission_outputs out{b.indices.data(), b.gates.data(), nullptr, nullptr};
-              for (auto _ : state) {
-                if (cold) std::this_thread::sleep_for(std::chrono::milliseconds(1));  // the pool's workers fall asleep
-                const auto start = std::chrono::steady_clock::now();
+              bench::time_single_calls(state, cold, [&] {
                 if (p == policy::expert_choice)
                   mr::cpu::expert_choice(sel, ec_in, ec_out, md.ex);
                 else
                   with_policy(p, [&](const auto& pol) { mr::cpu::admit(r, pol, in, out, md.ex); });
-                state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-              }
-            })
-                ->Unit(benchmark::kMicrosecond)
-                ->UseManualTime()
-                ->Iterations(200)  // of manual time only: the idle millisecond does not count towards a minimum time
-                ->Repetitions(3)
-                ->ReportAggregatesOnly(true);
+              });
+            })->Apply(bench::single_call_settings);
           }
     }
 }

@@ -26,6 +26,8 @@
 #include <moe_route/backend/cpu/isa.hpp>
 #include <moe_route/runtime/cpu.hpp>
 
+#include "bench_common.hpp"
+
 namespace {
 
 namespace mr = moe_route;
@@ -171,18 +173,8 @@ void register_thread_benchmarks(const std::vector<model>& ms) {
                                     "/" + md.name;
           benchmark::RegisterBenchmark(label.c_str(), [m, n, md, backward](benchmark::State& state) {
             call c(m, n);
-            for (auto _ : state) {
-              std::this_thread::sleep_for(std::chrono::milliseconds(1));  // the pool's workers fall asleep
-              const auto start = std::chrono::steady_clock::now();
-              c.step(m.config, md.ex, backward);
-              state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-            }
-          })
-              ->Unit(benchmark::kMicrosecond)
-              ->UseManualTime()
-              ->Iterations(200)  // of manual time only: the idle millisecond does not count towards a minimum time
-              ->Repetitions(3)
-              ->ReportAggregatesOnly(true);
+            moe_route_bench::time_single_calls(state, true, [&] { c.step(m.config, md.ex, backward); });
+          })->Apply(moe_route_bench::single_call_settings);
         }
   }
 }
