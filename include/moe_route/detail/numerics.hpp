@@ -186,15 +186,16 @@ MOE_ROUTE_HD float log1p_unit(float u) {
 // log x = k ln 2 + 2 atanh((m - 1) / (m + 1)), |s| <= 0.2: within 2 ulp.
 MOE_ROUTE_HD float log(float x) {
   // Branch-free like exp: a safe argument for the evaluation, the special
-  // cases applied as bit-mask selects at the end.
-  const bool regular = x > 0.0f && x != infinity();
-  float xc = regular ? x : 1.0f;
-  xc = xc < 1.17549435e-38f ? 1.17549435e-38f : xc;  // subnormals: clamp to the smallest normal
-  const std::uint32_t u = float_to_bits(xc);
+  // cases applied as bit-mask selects at the end. Every select is on bits or
+  // a factor, not a ?: of floats, so that loops over log vectorise (g++
+  // otherwise duplicates the paths and gives up).
+  const std::uint32_t regular = 0u - static_cast<std::uint32_t>((x > 0.0f) & (x != infinity()));
+  std::uint32_t u = (float_to_bits(x) & regular) | (float_to_bits(1.0f) & ~regular);
+  u = u < 0x00800000u ? 0x00800000u : u;  // subnormals: clamp to the smallest normal (positive: bits order as values)
   const float m1 = bits_to_float((u & 0x007fffffu) | 0x3f800000u);  // [1, 2)
-  const int upper = m1 >= 1.5f ? 1 : 0;
-  const float m = upper ? m1 * 0.5f : m1;
-  const int k = static_cast<int>((u >> 23) & 0xffu) - 127 + upper;
+  const std::uint32_t upper = (u >> 22) & 1u;                       // m1 >= 1.5: the mantissa's top bit
+  const float m = m1 * bits_to_float(0x3f800000u - (upper << 23));  // m1 or m1 / 2, exactly
+  const int k = static_cast<int>((u >> 23) & 0xffu) - 127 + static_cast<int>(upper);
   const float s = div(m - 1.0f, m + 1.0f);
   const float s2 = s * s;
   float p = 1.0f / 13.0f;

@@ -61,6 +61,7 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
         std::fill_n(dz, num_experts, 0.0f);
         continue;
       }
+      scratch.routed = {};  // the admitted path leaves no row_state: reuse nothing from another call
       bool biased = false;
       if constexpr (Router::template has<prior::log_prior_bias>) {
         // With bias_gates the gates were computed from z', and dL/dz = dL/dz'.
@@ -82,7 +83,9 @@ void backward(const Router& r, const route_inputs<T>& in, const backward_args& a
         detail::backward_row(r, z, num_experts, args.indices + t * k, args.grad_gates + t * k, scratch, dz);
       }
       if constexpr (Router::has_penalties)
-        if (penalties) detail::penalty_backward_row(r, in, on, weights, *ws, t, scratch.penalties, dz);
+        if (penalties)
+          detail::penalty_backward_row(r, in, on, weights, *ws, t, scratch.routed, scratch.penalties,
+                                       scratch.x86_64_v3, dz);
     }
   });
 }

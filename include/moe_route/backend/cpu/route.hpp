@@ -59,7 +59,7 @@ route_report route(const Router& r, const route_inputs<T>& in, const route_outpu
       if constexpr (Router::has_penalties)
         if (penalties)
           detail::penalty_forward_row(r, in, on, detail::counted_experts(r, in, t, routed, scratch), t,
-                                      scratch.penalties, scratch.x86_64_v3, partials[worker], *ws);
+                                      scratch.routed, scratch.penalties, scratch.x86_64_v3, partials[worker], *ws);
     }
     nonfinite[worker] = bad;
   });

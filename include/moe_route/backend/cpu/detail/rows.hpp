@@ -29,6 +29,7 @@ struct row_scratch {
   std::int32_t candidate_experts[max_experts + 16];  // their experts (+16: vector stores)
   float biased[max_experts];          // z + beta b of a token under log_prior_bias
   penalty_scratch penalties;          // the penalties' row buffers
+  router_row routed;                  // what the last row_state left in t, for the penalties
   std::int32_t counted[max_top_k];    // load_balance::count::top_k: a token's counted experts
   bool x86_64_v3;                     // the rows run on the run-time x86-64-v3 path (detail/simd.hpp)
 };
@@ -147,11 +148,14 @@ struct row_state {
 
   row_state(row_scratch& scratch, const T* z, int e_count) : s(scratch), num_experts(e_count) {
     v = load_row(z, num_experts, s.v, nonfinite);
+    float m = 0.0f;
     if constexpr (G::shape == gating::kind::row_softmax) {
-      const float m = row_max(v, num_experts, s.x86_64_v3);
+      m = row_max(v, num_experts, s.x86_64_v3);
       for (int e = 0; e < num_experts; ++e) s.t[e] = G::row_term(v[e], m);
       sum = lane_sum(s.t, num_experts, s.x86_64_v3);
     }
+    const bool terms = G::shape == gating::kind::row_softmax;
+    s.routed = {z, v, s.t, terms ? router_row::holds::terms : router_row::holds::nothing, nonfinite, m, sum};
   }
 
   // The gating score of expert e (the logit itself for selected_softmax).
@@ -181,11 +185,12 @@ bool route_row(const Router& r, const T* z, int num_experts, std::int64_t token,
     for (int j = 0; j < k; ++j) selected[j] = row.score(chosen[j]);
   } else {
     const float neg_inf = -moe_route::detail::infinity();
+    const std::uint32_t lowest = ordered_key(neg_inf);
     std::uint32_t* order = scratch.order;
     if constexpr (!S::needs_scores && !S::needs_expert_bias) {
       // Keys from the logits alone (top_k: the logit, -inf for a NaN logit).
       for (int e = 0; e < num_experts; ++e)
-        order[e] = ordered_key(v[e] != neg_inf ? S::key(v[e], 0.0f, 0.0f) : neg_inf);
+        order[e] = v[e] != neg_inf ? ordered_key(S::key(v[e], 0.0f, 0.0f)) : lowest;
     } else {
       // Scores of every expert first (kept for the gates), then the keys; a
       // NaN logit (v = -inf) ranks below every number whatever its key.
@@ -195,16 +200,18 @@ bool route_row(const Router& r, const T* z, int num_experts, std::int64_t token,
           for (int e = 0; e < num_experts; ++e) scores[e] = moe_route::detail::div(scratch.t[e], row.sum);
         else
           for (int e = 0; e < num_experts; ++e) scores[e] = 0.0f;
+        scratch.routed.what = router_row::holds::distribution;
       } else if constexpr (G::shape == gating::kind::elementwise) {
         for (int e = 0; e < num_experts; ++e) scores[e] = G::score(v[e]);
+        scratch.routed.what = router_row::holds::scores;
       } else {
         for (int e = 0; e < num_experts; ++e) scores[e] = 0.0f;
       }
       for (int e = 0; e < num_experts; ++e) {
         const float sc = S::needs_scores ? scores[e] : 0.0f;
         const float b = S::needs_expert_bias ? bias[e] : 0.0f;
-        const float key = S::key(v[e], sc, b);
-        order[e] = ordered_key(v[e] != neg_inf ? key : neg_inf);
+        const std::uint32_t key = ordered_key(S::key(v[e], sc, b));
+        order[e] = v[e] != neg_inf ? key : lowest;
       }
     }
     std::uint64_t best[Router::max_k];

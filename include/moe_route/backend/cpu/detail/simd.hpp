@@ -211,9 +211,13 @@ inline void top_keys(const std::uint64_t* keys, int n, int k, std::uint64_t* bes
 }
 
 // The order-preserving 32-bit image of a selection key: the upper half of its
-// packed key (pack_key orders by this, then by the lower expert index).
+// packed key (pack_key orders by this, then by the lower expert index), in
+// pack_key's steps written as bit operations, so that loops over keys vectorise.
 inline std::uint32_t ordered_key(float key) {
-  return static_cast<std::uint32_t>(moe_route::detail::pack_key(key, 0) >> 32);
+  std::uint32_t u = moe_route::detail::float_to_bits(key);
+  u &= ~(static_cast<std::uint32_t>(key == 0.0f) << 31);         // -0 as +0
+  u ^= (0u - (u >> 31)) | 0x80000000u;                            // negative: ~u; else u | 2^31
+  return u & (0u - static_cast<std::uint32_t>(key == key));       // NaN: 0
 }
 
 inline std::uint64_t packed_key(const std::uint32_t* order, int e) {

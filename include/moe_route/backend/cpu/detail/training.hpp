@@ -14,12 +14,12 @@
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <moe_route/backend/cpu/detail/simd.hpp>
 #include <moe_route/config.hpp>
 #include <moe_route/detail/numerics.hpp>
-#include <moe_route/detail/reduction.hpp>
 #include <moe_route/detail/validate.hpp>
 #include <moe_route/gating/gating.hpp>
 #include <moe_route/router.hpp>
@@ -92,31 +92,55 @@ inline void add_fixed_point(const float* p, int n, std::int64_t* acc, [[maybe_un
   for (int e = 0; e < n; ++e) acc[e] += penalty::to_fixed_point(p[e]);
 }
 
-// Double sum of term(e) over e < n in the canonical lane order.
-template <class Term>
-double lane_sum_double(int n, Term term) {
-  double lanes[num::reduction_lanes] = {};
-  for (int e = 0; e < n; ++e) lanes[e % num::reduction_lanes] += term(e);
+// A reduction over e < n in the canonical lane order: lane l folds in e = l,
+// l + 32, ... (lane = fold(lane, e), from 0), then the lanes add by the
+// butterfly 16, 8, 4, 2, 1. Written by blocks of 32 so that the lanes vectorise.
+template <class Acc, class Fold>
+Acc lane_fold(int n, Fold fold) {
+  Acc lanes[num::reduction_lanes] = {};
+  int base = 0;
+  for (; base + num::reduction_lanes <= n; base += num::reduction_lanes)
+    for (int l = 0; l < num::reduction_lanes; ++l) lanes[l] = fold(lanes[l], base + l);
+  for (int l = 0; base + l < n; ++l) lanes[l] = fold(lanes[l], base + l);
   for (int offset = num::reduction_lanes / 2; offset > 0; offset >>= 1)
     for (int l = 0; l < offset; ++l) lanes[l] = lanes[l] + lanes[l + offset];
   return lanes[0];
+}
+
+// Double sum of term(e) over e < n in the canonical lane order.
+template <class Term>
+double lane_sum_double(int n, Term term) {
+  return lane_fold<double>(n, [&](double lane, int e) { return lane + term(e); });
 }
 
 // <g, p> in float, canonical lane order, each product fused into its lane.
 inline float lane_dot(const float* g, const float* p, int n) {
-  float lanes[num::reduction_lanes] = {};
-  for (int e = 0; e < n; ++e) lanes[e % num::reduction_lanes] = num::fma(g[e], p[e], lanes[e % num::reduction_lanes]);
-  for (int offset = num::reduction_lanes / 2; offset > 0; offset >>= 1)
-    for (int l = 0; l < offset; ++l) lanes[l] = lanes[l] + lanes[l + offset];
-  return lanes[0];
+  return lane_fold<float>(n, [&](float lane, int e) { return num::fma(g[e], p[e], lane); });
 }
 
 struct penalty_scratch {
-  float v[max_experts];  // sanitised unbiased logits
+  float v[max_experts];  // the unbiased logits, converted to float
   float s[max_experts];  // scores (elementwise gating) or softmax terms
   float p[max_experts];  // the routing distribution
-  float q[max_experts];  // softmax(z) for z_loss when the gating is not a softmax
+  float q[max_experts];  // the softmax terms of z for z_loss when the gating is not a softmax
   float g[max_experts];  // dL/dp of the distribution-space penalties
+  float d[max_experts];  // kl_to_base: log pi - log p
+};
+
+// What the router's own pass over a token's logits left in its row buffer,
+// for the penalties to reuse instead of computing it again: the pass's
+// sanitised logits, and per gating the softmax terms exp(v - max) with their
+// maximum and canonical sum, the softmax distribution itself (the terms
+// divided by the sum), or the elementwise scores. `source` is the row the pass
+// read: the penalties reuse it only for the token's own logits (not for z + beta b).
+struct router_row {
+  enum class holds { nothing, terms, distribution, scores };
+  const void* source = nullptr;
+  const float* v = nullptr;
+  const float* buffer = nullptr;
+  holds what = holds::nothing;
+  bool nonfinite = false;
+  float max = 0.0f, sum = 0.0f;
 };
 
 // One token's unbiased statistics: the distribution p = s / norm, the softmax
@@ -124,97 +148,114 @@ struct penalty_scratch {
 template <class Router>
 struct penalty_row {
   using G = typename Router::gating_type;
+  using holds = router_row::holds;
   static constexpr bool softmax_like = G::shape != gating::kind::elementwise;
   penalty_scratch& sc;
   int n;
+  const float* v = nullptr;  // the unbiased logits (finite when valid)
+  const float* s = nullptr;  // elementwise: the scores
+  const float* p = nullptr;  // the distribution
   float row_max = 0.0f, norm = 0.0f, lse = 0.0f;
+  float q_sum = 0.0f;  // elementwise gating with z_loss: the sum of the softmax terms in sc.q
   bool valid = false;
 
   // The row is valid when its logits are finite and its scores do not all
   // vanish: every score is increasing in the logit, so the sum of the scores
   // is positive iff the largest logit's score is (a softmax row always is).
   // The distribution is computed only when a penalty needs it (the
-  // distribution-space penalties, kl_to_base; z_loss under a softmax gating).
+  // distribution-space penalties, kl_to_base; z_loss under a softmax gating),
+  // from what the router's pass over the same logits left where it can (the
+  // same functions on the same values: the same bits).
   template <class T>
-  penalty_row(penalty_scratch& scratch, const T* z, int num_experts, bool need_distribution, bool need_lse)
+  penalty_row(penalty_scratch& scratch, const T* z, int num_experts, const router_row& routed, bool need_distribution,
+              bool need_lse, bool x86_64_v3)
       : sc(scratch), n(num_experts) {
-    int bad = 0;
-    for (int e = 0; e < n; ++e) {
-      const float x = num::to_float(z[e]);
-      bad |= !num::is_finite(x);
-      sc.v[e] = x;
+    const bool reuse = routed.source == static_cast<const void*>(z);
+    if (reuse) {
+      if (routed.nonfinite) return;
+      v = routed.v;
+    } else {
+      if constexpr (std::is_same_v<T, float>) {
+        v = z;
+      } else {
+        for (int e = 0; e < n; ++e) sc.v[e] = num::to_float(z[e]);
+        v = sc.v;
+      }
+      if (any_nonfinite(v, n)) return;
     }
-    if (bad != 0) return;
-    row_max = -num::float_max;
-    for (int e = 0; e < n; ++e) row_max = num::max(row_max, sc.v[e]);
+    const holds left = reuse ? routed.what : holds::nothing;
+    row_max = left == holds::terms || left == holds::distribution ? routed.max : cpu::detail::row_max(v, n, x86_64_v3);
     if constexpr (!softmax_like) {
       if (!(G::score(row_max) > 0.0f)) return;
     }
     valid = true;
     if (need_distribution || (softmax_like && need_lse)) {
-      if constexpr (softmax_like) {
-        for (int e = 0; e < n; ++e) sc.s[e] = num::exp_nonpositive(sc.v[e] - row_max);
+      if (left == holds::distribution) {
+        norm = routed.sum;
+        p = routed.buffer;
       } else {
-        for (int e = 0; e < n; ++e) sc.s[e] = G::score(sc.v[e]);
+        const float* terms = sc.s;
+        if (left == holds::terms || left == holds::scores) {
+          terms = routed.buffer;
+        } else if constexpr (softmax_like) {
+          for (int e = 0; e < n; ++e) sc.s[e] = num::exp_nonpositive(v[e] - row_max);
+        } else {
+          for (int e = 0; e < n; ++e) sc.s[e] = G::score(v[e]);
+        }
+        s = terms;
+        norm = left == holds::terms ? routed.sum : lane_sum(terms, n, x86_64_v3);
+        for (int e = 0; e < n; ++e) sc.p[e] = num::div(terms[e], norm);
+        p = sc.p;
       }
-      norm = num::canonical_sum(sc.s, n);
-      for (int e = 0; e < n; ++e) sc.p[e] = num::div(sc.s[e], norm);
     }
     if (need_lse) {
       if constexpr (softmax_like) {
         lse = row_max + num::log(norm);
       } else {
-        for (int e = 0; e < n; ++e) sc.q[e] = num::exp_nonpositive(sc.v[e] - row_max);
-        const float sum = num::canonical_sum(sc.q, n);
-        lse = row_max + num::log(sum);
-        for (int e = 0; e < n; ++e) sc.q[e] = num::div(sc.q[e], sum);
+        for (int e = 0; e < n; ++e) sc.q[e] = num::exp_nonpositive(v[e] - row_max);
+        q_sum = lane_sum(sc.q, n, x86_64_v3);
+        lse = row_max + num::log(q_sum);
       }
     }
   }
 
-  // softmax(z)_e, for z_loss.
-  const float* softmax() const { return softmax_like ? sc.p : sc.q; }
-
   float log_p(int e, float log_norm) const {
     if constexpr (softmax_like)
-      return (sc.v[e] - row_max) - log_norm;
+      return (v[e] - row_max) - log_norm;
     else
-      return G::log_score(sc.v[e]) - log_norm;
+      return G::log_score(v[e]) - log_norm;
   }
 
-  // KL(pi || p) in double (canonical lane order).
+  // KL(pi || p) in double (canonical lane order). The float differences
+  // first, then the double sum: two loops that vectorise.
   double kl(const float* pi) const {
     const float log_norm = num::log(norm);
+    for (int e = 0; e < n; ++e) sc.d[e] = num::log(pi[e]) - log_p(e, log_norm);
     return lane_sum_double(n, [&](int e) {
-      const float d = num::log(pi[e]) - log_p(e, log_norm);
-      return static_cast<double>(pi[e]) * static_cast<double>(d);  // exact in double
+      return static_cast<double>(pi[e]) * static_cast<double>(sc.d[e]);  // exact in double
     });
   }
 
   // The centred difference delta = center(z - b) in double: mean, then entries.
   double delta_mean(const float* b) const {
-    return lane_sum_double(n, [&](int e) { return static_cast<double>(sc.v[e] - b[e]); }) / n;
+    return lane_sum_double(n, [&](int e) { return static_cast<double>(v[e] - b[e]); }) / n;
   }
   double delta_squared(const float* b, double mean) const {
-    double lanes[num::reduction_lanes] = {};
-    for (int e = 0; e < n; ++e) {
-      const double c = static_cast<double>(sc.v[e] - b[e]) - mean;
-      lanes[e % num::reduction_lanes] = std::fma(c, c, lanes[e % num::reduction_lanes]);
-    }
-    for (int offset = num::reduction_lanes / 2; offset > 0; offset >>= 1)
-      for (int l = 0; l < offset; ++l) lanes[l] = lanes[l] + lanes[l + offset];
-    return lanes[0];
+    return lane_fold<double>(n, [&](double lane, int e) {
+      const double c = static_cast<double>(v[e] - b[e]) - mean;
+      return num::fma(c, c, lane);
+    });
   }
 
   // dz += VJP of p at g (dL/dp): softmax p (g - <g,p>); elementwise
   // (g - <g,p>) / norm * ds/dz.
   void add_distribution_grad(const float* g, float* dz) const {
-    const float dot = lane_dot(g, sc.p, n);
+    const float dot = lane_dot(g, p, n);
     for (int e = 0; e < n; ++e) {
       if constexpr (softmax_like)
-        dz[e] = num::fma(sc.p[e], g[e] - dot, dz[e]);
+        dz[e] = num::fma(p[e], g[e] - dot, dz[e]);
       else
-        dz[e] = num::fma(num::div(g[e] - dot, norm), G::derivative(sc.v[e], sc.s[e]), dz[e]);
+        dz[e] = num::fma(num::div(g[e] - dot, norm), G::derivative(v[e], s[e]), dz[e]);
     }
   }
 
@@ -223,9 +264,9 @@ struct penalty_row {
   void add_kl_grad(const float* pi, float w, float* dz) const {
     for (int e = 0; e < n; ++e) {
       if constexpr (softmax_like) {
-        dz[e] = num::fma(w, sc.p[e] - pi[e], dz[e]);
+        dz[e] = num::fma(w, p[e] - pi[e], dz[e]);
       } else {
-        const float term = num::fma(-pi[e], G::log_derivative(sc.v[e]), num::div(G::derivative(sc.v[e], sc.s[e]), norm));
+        const float term = num::fma(-pi[e], G::log_derivative(v[e]), num::div(G::derivative(v[e], s[e]), norm));
         dz[e] = num::fma(w, term, dz[e]);
       }
     }
@@ -233,15 +274,21 @@ struct penalty_row {
 
   void add_logit_l2_grad(const float* b, double mean, float w, float* dz) const {
     for (int e = 0; e < n; ++e) {
-      const float c = static_cast<float>(static_cast<double>(sc.v[e] - b[e]) - mean);
+      const float c = static_cast<float>(static_cast<double>(v[e] - b[e]) - mean);
       dz[e] = num::fma(w, c, dz[e]);
     }
   }
 
+  // dz += w lse softmax(z); under an elementwise gating softmax(z) is its own
+  // terms over their sum, divided here: the forward needs only lse.
   void add_z_loss_grad(float w, float* dz) const {
     const float wl = w * lse;
-    const float* q = softmax();
-    for (int e = 0; e < n; ++e) dz[e] = num::fma(wl, q[e], dz[e]);
+    for (int e = 0; e < n; ++e) {
+      if constexpr (softmax_like)
+        dz[e] = num::fma(wl, p[e], dz[e]);
+      else
+        dz[e] = num::fma(wl, num::div(sc.q[e], q_sum), dz[e]);
+    }
   }
 };
 
@@ -286,25 +333,26 @@ void clear_token_values(const workspace_view& ws, std::int64_t t) {
 
 // The forward of the penalties for token t: its per-token values into the
 // workspace, its sums into `part`; `counted` holds the K experts its
-// load-balance counts take.
+// load-balance counts take, `routed` what the router's pass left.
 template <class Router, class T>
 MOE_ROUTE_FLATTEN void penalty_forward_row(const Router& r, const route_inputs<T>& in,
                                            const penalty::switches& on, const std::int32_t* counted, std::int64_t t,
-                                           penalty_scratch& sc, bool x86_64_v3, penalty_partials& part,
-                                           const workspace_view& ws) {
+                                           const router_row& routed, penalty_scratch& sc, bool x86_64_v3,
+                                           penalty_partials& part, const workspace_view& ws) {
   using traits = penalty::penalty_traits<Router>;
   const int E = in.num_experts, k = r.top_k;
   clear_token_values<Router>(ws, t);
   double* values = ws.token_values + t * traits::scalar_penalties;
-  penalty_row<Router> row(sc, in.logits + t * E, E, on.distribution || on.kl_to_base, traits::z_loss && on.z_loss);
+  penalty_row<Router> row(sc, in.logits + t * E, E, routed, on.distribution || on.kl_to_base,
+                          traits::z_loss && on.z_loss, x86_64_v3);
   if (!row.valid) return;
   ++part.valid_tokens;
   if (traits::distribution_space && on.distribution) {
-    add_fixed_point(sc.p, E, part.distribution_sums.data(), x86_64_v3);
+    add_fixed_point(row.p, E, part.distribution_sums.data(), x86_64_v3);
     if (penalty::over_sequences(r)) {
       const std::int64_t s = in.sequence_ids[t];
       ++part.sequence_tokens[s];
-      add_fixed_point(sc.p, E, part.sequence_sums.data() + s * E, x86_64_v3);
+      add_fixed_point(row.p, E, part.sequence_sums.data() + s * E, x86_64_v3);
       for (int j = 0; j < k; ++j) ++part.sequence_counts[s * E + counted[j]];
     } else if (counts_selections(r)) {
       for (int j = 0; j < k; ++j) ++part.counts[counted[j]];
@@ -401,14 +449,16 @@ void distribution_grads(const Router& r, const route_inputs<T>& in, const penalt
 
 // Adds the penalties' gradients of token t to dz (its gate gradient). Order:
 // distribution-space (load_balance and locality together), kl_to_base,
-// logit_l2, z_loss.
+// logit_l2, z_loss. `routed` is what the router's backward pass left.
 template <class Router, class T>
 MOE_ROUTE_FLATTEN void penalty_backward_row(const Router& r, const route_inputs<T>& in,
                                             const penalty::switches& on, const penalty::token_weights& w,
-                                            const workspace_view& ws, std::int64_t t, penalty_scratch& sc, float* dz) {
+                                            const workspace_view& ws, std::int64_t t, const router_row& routed,
+                                            penalty_scratch& sc, bool x86_64_v3, float* dz) {
   using traits = penalty::penalty_traits<Router>;
   const int E = in.num_experts;
-  penalty_row<Router> row(sc, in.logits + t * E, E, on.distribution || on.kl_to_base, traits::z_loss && on.z_loss);
+  penalty_row<Router> row(sc, in.logits + t * E, E, routed, on.distribution || on.kl_to_base,
+                          traits::z_loss && on.z_loss, x86_64_v3);
   if (!row.valid) return;
   if (traits::distribution_space && on.distribution) {
     const float* g = ws.expert_grad;
