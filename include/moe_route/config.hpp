@@ -26,6 +26,17 @@
 #define MOE_ROUTE_FLATTEN
 #endif
 
+// A host function always inlined into its caller. For the penalties' row
+// constructor, which g++ otherwise keeps out of line even inside a flattened
+// caller: the run-time x86-64-v3 path (backend/cpu/detail/isa.hpp) then
+// called its baseline copy, with every fma a libm call (6x on a sigmoid
+// z_loss forward).
+#if !defined(__CUDACC__) && defined(__GNUC__)
+#define MOE_ROUTE_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define MOE_ROUTE_ALWAYS_INLINE
+#endif
+
 // Kernels get internal linkage: two shared objects built for different GPU
 // architectures must never resolve each other's kernels.
 #if defined(__CUDACC__)

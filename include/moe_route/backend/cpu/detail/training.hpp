@@ -167,8 +167,8 @@ struct penalty_row {
   // from what the router's pass over the same logits left where it can (the
   // same functions on the same values: the same bits).
   template <class T>
-  penalty_row(penalty_scratch& scratch, const T* z, int num_experts, const router_row& routed, bool need_distribution,
-              bool need_lse, bool x86_64_v3)
+  MOE_ROUTE_ALWAYS_INLINE penalty_row(penalty_scratch& scratch, const T* z, int num_experts, const router_row& routed,
+                                      bool need_distribution, bool need_lse, bool x86_64_v3)
       : sc(scratch), n(num_experts) {
     const bool reuse = routed.source == static_cast<const void*>(z);
     if (reuse) {
