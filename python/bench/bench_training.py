@@ -17,8 +17,8 @@ step runs it. The forward is the same call under torch.no_grad(). Presets:
 and variants plain, rpb (log prior bias, beta 1, gates from z + beta b), load_balance (1e-3),
 z_loss (1e-3), kl_to_base (1e-2), logit_l2 (1e-2), all (rpb and the four penalties). One
 token in eight has no prior row. Before timing, each row's indices must agree (sigmoid
-near-ties may flip a few: counted, must stay under 0.1 %) and the aux values within 1e-4
-relative. Times are medians over --rounds interleaved rounds (each round times every side
+near-ties may flip a few: counted, must stay under 0.1 %) and the aux values within
+1e-4 · max(1, |aux|). Times are medians over --rounds interleaved rounds (each round times every side
 once, a fixed number of calls); the torch.compile side is compiled and warmed first, and its
 compile time is not counted.
 """
