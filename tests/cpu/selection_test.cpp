@@ -393,7 +393,8 @@ TEST_CASE_TEMPLATE("group_limited: random rows against the sort-based and brute-
   struct shape { int E, G, top_groups, per_group_k, K; };
   const shape shapes[] = {{8, 4, 2, 2, 2},    {16, 4, 1, 1, 3},   {16, 8, 3, 2, 4},  {64, 8, 3, 3, 6},
                           {96, 6, 2, 2, 8},   {256, 8, 4, 2, 8},  {30, 5, 5, 2, 7},  {63, 7, 2, 4, 9},
-                          {160, 32, 4, 2, 8}, {4096, 16, 2, 2, 16}};
+                          {160, 32, 4, 2, 8}, {4096, 16, 2, 2, 16}, {240, 12, 5, 5, 8}, {120, 10, 3, 1, 8},
+                          {72, 9, 4, 8, 6}};
   auto run_one = [&](auto r_proto, const shape& sh, bool biased) {
     auto r = r_proto;
     r.top_k = sh.K;
@@ -438,6 +439,56 @@ TEST_CASE_TEMPLATE("group_limited: random rows against the sort-based and brute-
     run_one(router<mr::gating::sqrt_softplus, sel::group_limited<sel::expert_bias>>{}, sh, true);
     run_one(router<mr::gating::softmax, sel::group_limited<sel::by_score>>{}, sh, true);
     run_one(router<mr::gating::sigmoid, sel::group_limited<sel::by_score>>{}, sh, true);
+  }
+}
+
+TEST_CASE("group_limited: the baseline and x86-64-v3 paths give the same bits (ties, NaN, +-inf)") {
+  // Group scores come from per-lane chains of running maxima on the vector
+  // path and from the same chains one group at a time on the baseline path;
+  // per_group_k above 4 ranks packed keys instead. Rows with many equal keys
+  // and non-finite logits exercise the repeats the chains must keep.
+  const bool has_v3 = mr::cpu::detail::cpu_has_x86_64_v3();
+  if (!has_v3) MESSAGE("this CPU has no x86-64-v3 path: only the baseline path is checked against the reference");
+  ref::rng g(77);
+  struct shape { int E, G, top_groups, per_group_k, K; };
+  const shape shapes[] = {{256, 8, 4, 2, 8}, {160, 8, 3, 1, 6},  {256, 16, 5, 3, 8}, {240, 12, 5, 4, 8},
+                          {256, 32, 7, 2, 8}, {96, 3, 2, 6, 8},  {40, 20, 6, 2, 5},  {27, 9, 2, 3, 4}};
+  for (const shape& sh : shapes) {
+    CAPTURE(sh.E);
+    CAPTURE(sh.G);
+    CAPTURE(sh.per_group_k);
+    router<mr::gating::sigmoid, sel::group_limited<sel::expert_bias>, 8> r;
+    r.top_k = sh.K;
+    r.selection.groups = sh.G;
+    r.selection.top_groups = sh.top_groups;
+    r.selection.per_group_k = sh.per_group_k;
+    const std::int64_t N = 64;
+    std::vector<float> z(static_cast<std::size_t>(N * sh.E));
+    for (std::size_t i = 0; i < z.size(); ++i) {
+      const int pick = g.integer(0, 19);
+      z[i] = pick == 0 ? fnan() : pick == 1 ? finf() : pick == 2 ? -finf() : static_cast<float>(g.integer(-2, 2));
+    }
+    const std::vector<float> bias(static_cast<std::size_t>(sh.E), 0.0f);
+    ref::route_and_check(r, z, N, sh.E, bias.data());
+    auto on_path = [&](mr::cpu::instruction_set isa) {
+      ref::lib_result o;
+      o.idx.assign(static_cast<std::size_t>(N * sh.K), -7);
+      o.gates.assign(static_cast<std::size_t>(N * sh.K), -7.0f);
+      mr::route_inputs<float> in;
+      in.logits = z.data();
+      in.num_tokens = N;
+      in.num_experts = sh.E;
+      in.expert_bias = bias.data();
+      mr::route_outputs out;
+      out.indices = o.idx.data();
+      out.gates = o.gates.data();
+      mr::cpu::route(r, in, out, mr::cpu::execution{1, isa});
+      return o;
+    };
+    const auto base = on_path(mr::cpu::instruction_set::baseline);
+    const auto best = on_path(mr::cpu::instruction_set::best);
+    CHECK(base.idx == best.idx);
+    for (std::size_t i = 0; i < base.gates.size(); ++i) CHECK(ref::bits(base.gates[i]) == ref::bits(best.gates[i]));
   }
 }
 

@@ -93,26 +93,100 @@ inline void select_top(const std::uint32_t* order, const std::uint64_t* keys, in
   for (int j = 0; j < k; ++j) best[j] = slots[j];
 }
 
-// Group-limited selection: zero the keys of every expert outside the
-// top_groups best groups (group score = sum of its per_group_k best keys,
-// added in descending order).
-template <class Grouped>
-void mask_groups(const Grouped& g, std::uint64_t* keys, int num_experts) {
-  const int size = num_experts / g.groups;
-  std::uint64_t group_keys[moe_route::detail::reduction_lanes];
-  std::uint64_t best[max_experts];
-  for (int grp = 0; grp < g.groups; ++grp) {
-    top_keys(keys + grp * size, size, g.per_group_k, best);
-    float score = 0.0f;
-    for (int j = 0; j < g.per_group_k; ++j) score += moe_route::detail::packed_value(best[j]);
-    group_keys[grp] = moe_route::detail::pack_key(score, grp);
+#if MOE_ROUTE_CPU_AVX2_KERNELS
+// group_top_orders in AVX2: one gather loads the i-th order of eight groups.
+template <int P>
+MOE_ROUTE_CPU_AVX2_TARGET void group_top_orders_avx2(const std::uint32_t* order, int groups, int size,
+                                                     std::uint32_t (*top)[moe_route::detail::reduction_lanes]) {
+  constexpr int width = 8;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int first = 0; first < groups; first += width) {
+    const int last = std::min(groups - first, width) - 1;
+    const __m256i offsets = _mm256_mullo_epi32(_mm256_min_epi32(lane, _mm256_set1_epi32(last)), _mm256_set1_epi32(size));
+    const int* base = reinterpret_cast<const int*>(order + first * size);
+    __m256i chain[P];
+    for (int j = 0; j < P; ++j) chain[j] = _mm256_setzero_si256();
+    for (int i = 0; i < size; ++i) {
+      __m256i x = _mm256_i32gather_epi32(base + i, offsets, 4);
+      for (int j = 0; j < P; ++j) {
+        const __m256i larger = _mm256_max_epu32(chain[j], x);
+        x = _mm256_min_epu32(chain[j], x);
+        chain[j] = larger;
+      }
+    }
+    for (int j = 0; j < P; ++j) {
+      alignas(32) std::uint32_t lanes[width];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), chain[j]);
+      for (int l = 0; l <= last; ++l) top[j][first + l] = lanes[l];
+    }
   }
-  std::uint64_t kept[moe_route::detail::reduction_lanes];
-  top_keys(group_keys, g.groups, g.top_groups, kept);
-  bool keep[moe_route::detail::reduction_lanes] = {};
+}
+#endif
+
+// The per_group_k = P largest orders of each group, repeats kept, descending:
+// top[j][grp]. Eight groups at a time are the lanes of a vector; every order
+// passes down its lane's chain of P running maxima (min and max: no branches).
+// Lanes past the last group repeat it and are not read.
+template <int P>
+void group_top_orders(const std::uint32_t* order, int groups, int size,
+                      std::uint32_t (*top)[moe_route::detail::reduction_lanes], [[maybe_unused]] bool x86_64_v3) {
+#if MOE_ROUTE_CPU_AVX2_KERNELS
+  if (use_avx2(x86_64_v3)) return group_top_orders_avx2<P>(order, groups, size, top);
+#endif
+  for (int grp = 0; grp < groups; ++grp) {
+    std::uint32_t chain[P] = {};
+    for (int i = 0; i < size; ++i) {
+      std::uint32_t x = order[grp * size + i];
+      for (int j = 0; j < P; ++j) {
+        const std::uint32_t larger = std::max(chain[j], x);
+        x = std::min(chain[j], x);
+        chain[j] = larger;
+      }
+    }
+    for (int j = 0; j < P; ++j) top[j][grp] = chain[j];
+  }
+}
+
+// The largest per_group_k served by group_top_orders.
+inline constexpr int max_chained_per_group_k = 4;
+
+// Group-limited selection: the experts outside the top_groups best groups get
+// order 0 and packed key 0; keys receives the packed key of every other expert.
+// A group's score is the sum of its per_group_k largest keys, added in
+// descending order. Equal orders are equal keys, so the score needs only the
+// largest orders with their repeats (group_top_orders).
+template <class Grouped>
+void mask_groups(const Grouped& g, std::uint32_t* order, std::uint64_t* keys, int num_experts, bool x86_64_v3) {
+  constexpr int lanes = moe_route::detail::reduction_lanes;
+  const int groups = g.groups, size = num_experts / groups, pk = g.per_group_k;
+  for (int e = 0; e < num_experts; ++e) keys[e] = packed_key(order, e);
+  float score[lanes] = {};
+  if (pk <= max_chained_per_group_k) {
+    std::uint32_t top[max_chained_per_group_k][lanes];
+    switch (pk) {
+      case 1: group_top_orders<1>(order, groups, size, top, x86_64_v3); break;
+      case 2: group_top_orders<2>(order, groups, size, top, x86_64_v3); break;
+      case 3: group_top_orders<3>(order, groups, size, top, x86_64_v3); break;
+      default: group_top_orders<4>(order, groups, size, top, x86_64_v3); break;
+    }
+    for (int j = 0; j < pk; ++j)
+      for (int grp = 0; grp < groups; ++grp)
+        score[grp] += moe_route::detail::packed_value(static_cast<std::uint64_t>(top[j][grp]) << 32);
+  } else {
+    std::uint64_t best[max_experts];
+    for (int grp = 0; grp < groups; ++grp) {
+      top_keys(keys + grp * size, size, pk, best);
+      for (int j = 0; j < pk; ++j) score[grp] += moe_route::detail::packed_value(best[j]);
+    }
+  }
+  std::uint64_t group_keys[lanes], kept[lanes];
+  for (int grp = 0; grp < groups; ++grp) group_keys[grp] = moe_route::detail::pack_key(score[grp], grp);
+  top_keys(group_keys, groups, g.top_groups, kept);
+  bool keep[lanes] = {};
   for (int j = 0; j < g.top_groups; ++j) keep[moe_route::detail::packed_expert(kept[j])] = true;
-  for (int e = 0; e < num_experts; ++e)
-    if (!keep[e / size]) keys[e] = 0;
+  for (int grp = 0; grp < groups; ++grp)
+    if (!keep[grp])
+      for (int e = grp * size; e < (grp + 1) * size; ++e) order[e] = 0, keys[e] = 0;
 }
 
 // The sanitised logits of one row and whether the row held NaN or +-inf.
@@ -216,11 +290,8 @@ bool route_row(const Router& r, const T* z, int num_experts, std::int64_t token,
     }
     std::uint64_t best[Router::max_k];
     if constexpr (S::shape == selection::kind::grouped) {
-      std::uint64_t* keys = scratch.keys;
-      for (int e = 0; e < num_experts; ++e) keys[e] = packed_key(order, e);
-      mask_groups(r.selection, keys, num_experts);
-      for (int e = 0; e < num_experts; ++e) order[e] = static_cast<std::uint32_t>(keys[e] >> 32);
-      select_top(order, keys, num_experts, k, best, scratch);
+      mask_groups(r.selection, order, scratch.keys, num_experts, scratch.x86_64_v3);
+      select_top(order, scratch.keys, num_experts, k, best, scratch);
     } else {
       select_top(order, nullptr, num_experts, k, best, scratch);
     }
