@@ -34,10 +34,46 @@ struct row_scratch {
   bool x86_64_v3;                     // the rows run on the run-time x86-64-v3 path (detail/simd.hpp)
 };
 
+// The k largest of count distinct packed keys, descending, branch-free: each
+// key's rank is the number of keys above it (vector compares up to 16 keys).
+// Repeated keys are allowed only where at least k keys rank above them.
+inline void rank_top(const std::uint64_t* keys, int count, int k, std::uint64_t* best,
+                     [[maybe_unused]] bool x86_64_v3) {
+  std::uint64_t slots[max_top_k + 1];
+#if defined(__AVX512F__)
+  if (count <= 16) {
+    const __mmask8 lo = static_cast<__mmask8>(count >= 8 ? 0xffu : (1u << count) - 1u);
+    const __mmask8 hi = static_cast<__mmask8>(count >= 16 ? 0xffu : count <= 8 ? 0u : (1u << (count - 8)) - 1u);
+    const __m512i c0 = _mm512_maskz_loadu_epi64(lo, keys);  // absent lanes are 0, below every key
+    const __m512i c1 = _mm512_maskz_loadu_epi64(hi, keys + 8);
+    for (int i = 0; i < count; ++i) {
+      const __m512i ci = _mm512_set1_epi64(static_cast<long long>(keys[i]));
+      const int rank = popcount16(_mm512_cmpgt_epu64_mask(c0, ci)) + popcount16(_mm512_cmpgt_epu64_mask(c1, ci));
+      slots[rank < k ? rank : k] = keys[i];
+    }
+    for (int j = 0; j < k; ++j) best[j] = slots[j];
+    return;
+  }
+#elif MOE_ROUTE_CPU_AVX2_KERNELS
+  if (count <= 16 && use_avx2(x86_64_v3)) {
+    rank_candidates_avx2(keys, count, k, slots);
+    for (int j = 0; j < k; ++j) best[j] = slots[j];
+    return;
+  }
+#endif
+  for (int i = 0; i < count; ++i) {
+    int rank = 0;
+    for (int j = 0; j < count; ++j) rank += keys[j] > keys[i] ? 1 : 0;
+    slots[rank < k ? rank : k] = keys[i];
+  }
+  for (int j = 0; j < k; ++j) best[j] = slots[j];
+}
+
 // The k largest packed keys (order[e], then the lower e), descending: the
 // result of top_keys over every packed key, found by ranking only the few
-// keys at or above a lane bound. `keys` holds the packed keys when some are
-// masked to 0 (group-limited selection; their order is 0 too), else nullptr.
+// keys at or above a lane bound, or all of them in short rows. `keys` holds
+// the packed keys when some are masked to 0 (group-limited selection; their
+// order is 0 too, and at least k keys are not masked), else nullptr.
 inline void select_top(const std::uint32_t* order, const std::uint64_t* keys, int n, int k, std::uint64_t* best,
                        row_scratch& s) {
   constexpr int small = 16, large = 32, max_ranked = 64;
@@ -51,46 +87,20 @@ inline void select_top(const std::uint32_t* order, const std::uint64_t* keys, in
       for (int e = 0; e < n; ++e) s.keys[e] = packed_key(order, e);
       keys = s.keys;
     }
-    top_keys(keys, n, k, best);
+    if (n <= small)
+      rank_top(keys, n, k, best, s.x86_64_v3);
+    else
+      top_keys(keys, n, k, best);
     return;
   }
   // Candidates have order >= bound > 0: never masked, packed key = packed_key().
   const int count = compact_at_least(order, n, bound, s.candidate_experts, s.x86_64_v3);
   std::uint64_t* candidates = s.candidates;
   for (int i = 0; i < count; ++i) candidates[i] = packed_key(order, s.candidate_experts[i]);
-  if (count > max_ranked) {
+  if (count > max_ranked)
     top_keys(candidates, count, k, best);
-    return;
-  }
-  // Rank the (unique) candidates against each other, branch-free.
-  std::uint64_t slots[max_top_k + 1];
-#if defined(__AVX512F__)
-  if (count <= 16) {
-    const __mmask8 lo = static_cast<__mmask8>(count >= 8 ? 0xffu : (1u << count) - 1u);
-    const __mmask8 hi = static_cast<__mmask8>(count >= 16 ? 0xffu : count <= 8 ? 0u : (1u << (count - 8)) - 1u);
-    const __m512i c0 = _mm512_maskz_loadu_epi64(lo, candidates);  // absent lanes are 0, below every key
-    const __m512i c1 = _mm512_maskz_loadu_epi64(hi, candidates + 8);
-    for (int i = 0; i < count; ++i) {
-      const __m512i ci = _mm512_set1_epi64(static_cast<long long>(candidates[i]));
-      const int rank = popcount16(_mm512_cmpgt_epu64_mask(c0, ci)) + popcount16(_mm512_cmpgt_epu64_mask(c1, ci));
-      slots[rank < k ? rank : k] = candidates[i];
-    }
-    for (int j = 0; j < k; ++j) best[j] = slots[j];
-    return;
-  }
-#elif MOE_ROUTE_CPU_AVX2_KERNELS
-  if (count <= 16 && use_avx2(s.x86_64_v3)) {
-    rank_candidates_avx2(candidates, count, k, slots);
-    for (int j = 0; j < k; ++j) best[j] = slots[j];
-    return;
-  }
-#endif
-  for (int i = 0; i < count; ++i) {
-    int rank = 0;
-    for (int j = 0; j < count; ++j) rank += candidates[j] > candidates[i] ? 1 : 0;
-    slots[rank < k ? rank : k] = candidates[i];
-  }
-  for (int j = 0; j < k; ++j) best[j] = slots[j];
+  else
+    rank_top(candidates, count, k, best, s.x86_64_v3);
 }
 
 #if MOE_ROUTE_CPU_AVX2_KERNELS
