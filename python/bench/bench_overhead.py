@@ -16,21 +16,14 @@ Prints the median per-call time of each side and their ratio."""
 
 import argparse
 import statistics
-import time
 
 import torch
 
 import moe_route as mr
 from moe_route._ops import ops
+from timing import interleaved_medians, per_call_us
 
 E, K = 64, 6
-
-
-def per_call(fn, calls):
-    start = time.perf_counter_ns()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter_ns() - start) / calls / 1e3  # microseconds
 
 
 def main():
@@ -58,12 +51,8 @@ def main():
         }
         calls = 20000 if n < 256 else 5000
         for fn in sides.values():
-            per_call(fn, calls // 10)  # warm up
-        times = {name: [] for name in sides}
-        for _ in range(args.rounds):
-            for name, fn in sides.items():
-                times[name].append(per_call(fn, calls))
-        m = {name: statistics.median(t) for name, t in times.items()}
+            per_call_us(fn, calls // 10)  # warm up
+        m = interleaved_medians(sides, calls, args.rounds)
         print(f"| {n} | {m['topk']:.2f} | {m['select']:.2f} | {m['op']:.2f} | {m['op_grad']:.2f} | {m['api']:.2f} | "
               f"{m['select'] / m['topk']:.2f} | {m['op'] / m['topk']:.2f} | {m['op_grad'] / m['topk']:.2f} | "
               f"{m['api'] / m['topk']:.2f} |")
@@ -72,7 +61,7 @@ def main():
     z = torch.randn(n, E, generator=torch.Generator().manual_seed(n))
     op_times, direct_times = [], []
     for _ in range(args.rounds):
-        op_times.append(per_call(lambda: route_op(z), 20))
+        op_times.append(per_call_us(lambda: route_op(z), 20))
         direct_times.append(mr._C.direct_route_seconds(text, z, 20, 1) * 1e6)
     op, direct = statistics.median(op_times), statistics.median(direct_times)
     print(f"\nN = {n}: route operator {op:.1f} us, direct C++ call {direct:.1f} us, operator / direct {op / direct:.3f}")

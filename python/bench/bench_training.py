@@ -3,7 +3,8 @@ written in PyTorch, eager and under torch.compile, in one process on the same in
 (issue 17 items 3, 4 and 6; docs/performance.md).
 
     PYTHONPATH=build/default/python .venv/bin/python python/bench/bench_training.py \
-        [--tokens 16384] [--threads 1] [--presets deepseek_v2_lite,moonlight] [--variants plain,all] [--rounds 5]
+        [--tokens 16384[,N2,...]] [--threads 1] [--presets deepseek_v2_lite,moonlight] [--variants plain,all] \
+        [--steps forward,step] [--rounds 5]
 
 A step is the forward with autograd recording, then the backward of sum(w * gates) plus the
 penalty values (the extension's aux_loss; PyTorch's sum of the same penalties), as a training
@@ -16,20 +17,24 @@ step runs it. The forward is the same call under torch.no_grad(). Presets:
 
 and variants plain, rpb (log prior bias, beta 1, gates from z + beta b), load_balance (1e-3),
 z_loss (1e-3), kl_to_base (1e-2), logit_l2 (1e-2), all (rpb and the four penalties). One
-token in eight has no prior row. Before timing, each row's indices must agree (sigmoid
-near-ties may flip a few: counted, must stay under 0.1 %) and the aux values within
+token in eight has no prior row. Before timing, each row's indices must agree (float near-ties
+between the two sides' scores may flip a few tokens: under 0.1 % of them) and the aux values within
 1e-4 · max(1, |aux|). Times are medians over --rounds interleaved rounds (each round times every side
 once, a fixed number of calls); the torch.compile side is compiled and warmed first, and its
 compile time is not counted.
+
+Each row also reports the extension's cost per token and the machine's floor for the same logits,
+timed in the same rounds: torch.exp into a preallocated buffer (one read of the logits, one exp
+of each, one write), the least any router must do with them. --tokens takes a list (the N
+sweep: cost per token as N grows, decode sizes included).
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 
 import moe_route as mr
+from timing import interleaved_medians, per_call_us
 
 PRESETS = {
     "deepseek_v2_lite": ("deepseek_v2_lite", 64),
@@ -152,13 +157,14 @@ class Case:
         for side in ("eager", "compile"):
             idx, _, aux = self.sides()[side](self.z)
             differ = (idx.to(torch.int64).sort(-1)[0] != lib_idx.to(torch.int64).sort(-1)[0]).any(-1).sum().item()
-            if differ > 0 and (self.cfg.gating != "sigmoid" or differ > 1e-3 * idx.shape[0]):
+            if differ > 1e-3 * idx.shape[0]:
                 raise SystemExit(f"{self.label}: {side} routes {differ} tokens differently from the extension")
             if abs(float(aux) - float(lib_aux)) > 1e-4 * max(1.0, abs(float(lib_aux))):
                 raise SystemExit(f"{self.label}: {side} aux {float(aux)} against the extension's {float(lib_aux)}")
 
     def callables(self, step):
         out = {}
+        floor_out = torch.empty_like(self.z)
         for side, fn in self.sides().items():
             if step == "forward":
                 def call(fn=fn):
@@ -172,19 +178,13 @@ class Case:
                     ((gates * self.w).sum() + aux).backward()
                     zg.grad = None
             out[side] = call
+        out["floor"] = lambda: torch.exp(self.z, out=floor_out)
         return out
-
-
-def per_call_ms(fn, calls):
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e3
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--tokens", default="16384", help="a comma-separated list of token counts")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -197,27 +197,27 @@ def main():
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, 256)
     gen = torch.Generator().manual_seed(0)
-    print(f"N = {args.tokens}, threads = {args.threads}, torch {torch.__version__}, "
-          f"moe_route CPU path {mr.cpu_isa()}, median of {args.rounds} rounds")
-    print("| router / variant | call | moe_route ms | eager ms | compile ms | eager / moe_route | compile / moe_route |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(f"threads = {args.threads}, torch {torch.__version__}, moe_route CPU path {mr.cpu_isa()}, "
+          f"median of {args.rounds} rounds")
+    print("| router / variant | N | call | moe_route ms | moe_route ns/token | eager ms | compile ms | floor ms | "
+          "eager / moe_route | compile / moe_route | moe_route / floor |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for preset in args.presets.split(","):
         for variant in args.variants.split(","):
-            case = Case(preset, variant, args.tokens, gen)
-            case.check()
-            for step in args.steps.split(","):
-                fns = case.callables(step)
-                for fn in fns.values():  # warm-up: compiles the torch.compile side
-                    fn()
-                    fn()
-                calls = max(1, int(0.2 / (per_call_ms(fns["moe_route"], 1) / 1e3 + 1e-9)))
-                times = {side: [] for side in fns}
-                for _ in range(args.rounds):
-                    for side, fn in fns.items():
-                        times[side].append(per_call_ms(fn, calls))
-                m = {side: statistics.median(t) for side, t in times.items()}
-                print(f"| {case.label} | {step} | {m['moe_route']:.2f} | {m['eager']:.2f} | {m['compile']:.2f} | "
-                      f"{m['eager'] / m['moe_route']:.2f}x | {m['compile'] / m['moe_route']:.2f}x |", flush=True)
+            for tokens in (int(n) for n in args.tokens.split(",")):
+                case = Case(preset, variant, tokens, gen)
+                case.check()
+                for step in args.steps.split(","):
+                    fns = case.callables(step)
+                    for fn in fns.values():  # warm-up: compiles the torch.compile side
+                        fn()
+                        fn()
+                    calls = max(1, int(0.2 / (per_call_us(fns["moe_route"], 1) / 1e6 + 1e-9)))
+                    m = {side: us / 1e3 for side, us in interleaved_medians(fns, calls, args.rounds).items()}
+                    print(f"| {case.label} | {tokens} | {step} | {m['moe_route']:.3f} | "
+                          f"{m['moe_route'] * 1e6 / tokens:.1f} | {m['eager']:.3f} | {m['compile']:.3f} | "
+                          f"{m['floor']:.3f} | {m['eager'] / m['moe_route']:.2f}x | "
+                          f"{m['compile'] / m['moe_route']:.2f}x | {m['moe_route'] / m['floor']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
