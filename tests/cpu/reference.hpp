@@ -34,9 +34,10 @@ inline float fnan() { return std::numeric_limits<float>::quiet_NaN(); }
 
 // An execution on `threads` threads that splits even the smallest call (one
 // token per thread at least), so the tests cross block boundaries at any N.
-inline mr::cpu::execution on_threads(int threads) {
+inline mr::cpu::execution on_threads(int threads, mr::cpu::instruction_set isa = mr::cpu::instruction_set::best) {
   mr::cpu::execution ex;
   ex.threads = threads;
+  ex.isa = isa;
   ex.min_tokens_per_thread = 1;
   return ex;
 }
@@ -564,7 +565,7 @@ struct lib_result {
 
 template <class Router, class T>
 lib_result run(const Router& r, const std::vector<T>& z, std::int64_t N, int E, const float* bias = nullptr,
-               int threads = 1) {
+               int threads = 1, mr::cpu::instruction_set isa = mr::cpu::instruction_set::best) {
   lib_result o;
   o.idx.assign(static_cast<std::size_t>(N * r.top_k), -7);
   o.gates.assign(static_cast<std::size_t>(N * r.top_k), -7.0f);
@@ -577,7 +578,7 @@ lib_result run(const Router& r, const std::vector<T>& z, std::int64_t N, int E, 
   out.indices = o.idx.data();
   out.gates = o.gates.data();
   out.nonfinite_rows = &o.counter;
-  o.report = mr::cpu::route(r, in, out, ref::on_threads(threads)).nonfinite_rows;
+  o.report = mr::cpu::route(r, in, out, ref::on_threads(threads, isa)).nonfinite_rows;
   return o;
 }
 

@@ -470,23 +470,8 @@ TEST_CASE("group_limited: the baseline and x86-64-v3 paths give the same bits (t
     }
     const std::vector<float> bias(static_cast<std::size_t>(sh.E), 0.0f);
     ref::route_and_check(r, z, N, sh.E, bias.data());
-    auto on_path = [&](mr::cpu::instruction_set isa) {
-      ref::lib_result o;
-      o.idx.assign(static_cast<std::size_t>(N * sh.K), -7);
-      o.gates.assign(static_cast<std::size_t>(N * sh.K), -7.0f);
-      mr::route_inputs<float> in;
-      in.logits = z.data();
-      in.num_tokens = N;
-      in.num_experts = sh.E;
-      in.expert_bias = bias.data();
-      mr::route_outputs out;
-      out.indices = o.idx.data();
-      out.gates = o.gates.data();
-      mr::cpu::route(r, in, out, mr::cpu::execution{1, isa});
-      return o;
-    };
-    const auto base = on_path(mr::cpu::instruction_set::baseline);
-    const auto best = on_path(mr::cpu::instruction_set::best);
+    const auto base = ref::run(r, z, N, sh.E, bias.data(), 1, mr::cpu::instruction_set::baseline);
+    const auto best = ref::run(r, z, N, sh.E, bias.data(), 1, mr::cpu::instruction_set::best);
     CHECK(base.idx == best.idx);
     for (std::size_t i = 0; i < base.gates.size(); ++i) CHECK(ref::bits(base.gates[i]) == ref::bits(best.gates[i]));
   }
