@@ -8,6 +8,7 @@
 #endif
 
 #include <moe_route/moe_route.hpp>
+#include <moe_route/runtime/instantiate.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -20,6 +21,7 @@
 namespace moe_route_cli {
 
 namespace mr = moe_route;
+namespace rt = moe_route::runtime;
 namespace fs = std::filesystem;
 
 namespace {
@@ -81,25 +83,65 @@ struct inputs {
   std::optional<prior_data> prior;
 };
 
-// The routing call: the router alone, or with the prior as a router-level
-// policy (prior::log_prior_bias{beta}, bias_gates = true, or
-// prior::prior_override) in mode::train with the prepared table b and rows r(t).
-template <class Router>
-mr::route_report route_cpu(const Router& r, const route_options& o, const inputs& in, const mr::route_outputs& out,
-                           const mr::cpu::execution& ex) {
-  const float* bias = in.expert_bias.data.empty() ? nullptr : in.expert_bias.data.data();
-  mr::route_inputs<float> ri{in.logits.data.data(), in.n, in.e, bias};
-  if (!in.prior) return mr::cpu::route(r, ri, out, ex);
-  ri.mode = mr::mode::train;
-  ri.prior_bias = in.prior->bias.data();
-  ri.prior_rows = in.prior->num_rows;
-  ri.token_prior_row = in.prior->rows.data();
-  if (o.prior_mode == "soft") return mr::cpu::route(mr::with_policies(r, mr::prior::log_prior_bias{o.beta, true}), ri, out, ex);
-  return mr::cpu::route(mr::with_policies(r, mr::prior::prior_override{}), ri, out, ex);
+rt::gating_kind gating_named(const std::string& name) {
+  if (name == "sigmoid") return rt::gating_kind::sigmoid;
+  if (name == "sqrt_softplus") return rt::gating_kind::sqrt_softplus;
+  if (name == "softmax_after_topk") return rt::gating_kind::softmax_after_topk;
+  return rt::gating_kind::softmax;
 }
 
-template <class Router>
-routed run_router(Router r, const route_options& o, const inputs& in) {
+// The router of the options, as a runtime router (moe_route::runtime: the
+// routers every front end shares, compiled once). With a prior, the prior is
+// its router-level policy: log_prior_bias{beta, bias_gates = true} (soft) or
+// prior_override (hard).
+rt::router_config router_of(const route_options& o, const inputs& in) {
+  rt::router_config c;
+  c.gating = gating_named(o.gating);
+  const bool biased = !in.expert_bias.data.empty();
+  if (o.groups > 0) {
+    c.selection = biased ? rt::selection_kind::group_limited_bias : rt::selection_kind::group_limited;
+    c.groups = o.groups;
+    c.top_groups = o.top_groups;
+    c.per_group_k = o.per_group_k;
+  } else {
+    c.selection = biased ? rt::selection_kind::expert_bias : rt::selection_kind::top_k;
+  }
+  c.top_k = o.k;
+  c.normalize = o.normalize_set ? o.normalize : rt::normalizes_by_default(c.gating);
+  c.scaling_factor = o.scaling;
+  if (in.prior) {
+    c.prior = o.prior_mode == "soft" ? rt::prior_kind::log_prior_bias : rt::prior_kind::prior_override;
+    c.prior_bias = mr::prior::log_prior_bias{o.beta, true};
+  }
+  return c;
+}
+
+// The admission policy of the options (docs/admission.md: the presets
+// cipher_strict, cipher_reroute, locmoe, capacity_position, capacity_probs).
+rt::admission_config admission_of(const route_options& o) {
+  rt::admission_config a;
+  if (o.admission == "dropless") return a;
+  a.dropless = false;
+  a.capacity_factor = o.capacity_factor.value_or(1.0);
+  a.min_capacity = o.min_capacity;
+  if (o.admission == "cipher_strict" || o.admission == "cipher_reroute") {
+    a.affinity = rt::affinity_kind::cosine;
+    a.threshold = *o.tau;
+    a.capacity_factor = o.capacity_factor.value_or(8.0);
+    if (o.admission == "cipher_reroute") {
+      a.overflow = rt::overflow_kind::reroute;
+      a.fill_factor = o.fill_factor;
+    }
+  } else if (o.admission == "locmoe") {
+    a.affinity = rt::affinity_kind::cosine;
+    a.threshold = o.tau.value_or(0.01f);
+  } else {
+    a.affinity = o.admission == "capacity_position" ? rt::affinity_kind::position : rt::affinity_kind::probability;
+  }
+  return a;
+}
+
+routed run_cpu(const route_options& o, const inputs& in) {
   routed res;
   const mr::cpu::execution ex{o.threads > 0 ? o.threads : 1};
   if (o.admission == "expert_choice") {
@@ -118,72 +160,48 @@ routed run_router(Router r, const route_options& o, const inputs& in) {
                      {"max_experts_per_token", rep.max_experts_per_token}};
     return res;
   }
-  r.top_k = o.k;
-  if (o.normalize_set) r.normalize = o.normalize;
-  r.scaling_factor = o.scaling;
+  const rt::router_config c = router_of(o, in);
   res.slots = o.k;
   const std::size_t slots = static_cast<std::size_t>(in.n) * o.k;
   std::vector<std::int32_t> idx(slots);
   std::vector<float> gates(slots);
-  const mr::route_report rep = route_cpu(r, o, in, mr::route_outputs{idx.data(), gates.data()}, ex);
-  res.nonfinite_rows = rep.nonfinite_rows;
+  mr::route_inputs<float> ri{in.logits.data.data(), in.n, in.e,
+                             in.expert_bias.data.empty() ? nullptr : in.expert_bias.data.data()};
+  // Inference routing, or with a prior the training mode the prior policies act
+  // in. Every runtime router carries the penalties (all off here): they need
+  // their value slots and, in training, the workspace.
+  mr::route_outputs out{idx.data(), gates.data()};
+  double penalty_values[rt::num_penalties];
+  out.penalty_values = penalty_values;
+  std::vector<unsigned char> workspace;
+  ri.mode = mr::mode::eval;
+  if (in.prior) {
+    ri.mode = mr::mode::train;
+    ri.prior_bias = in.prior->bias.data();
+    ri.prior_rows = in.prior->num_rows;
+    ri.token_prior_row = in.prior->rows.data();
+    workspace.resize(rt::workspace_bytes(c, in.n, in.e));
+    out.workspace = workspace.data();
+    out.workspace_bytes = workspace.size();
+  }
+  res.nonfinite_rows = rt::route(c, ri, out, ex).nonfinite_rows;
   if (in.prior && o.prior_mode == "hard")
     res.hard_prior_tokens = std::count_if(in.prior->rows.begin(), in.prior->rows.end(), [](std::int32_t x) { return x >= 0; });
 
-  // Admission depends only on the gating, K, normalisation and scaling, so it
-  // runs with a plain top-k router of the same gating (fewer instantiations).
-  mr::router<typename Router::gating_type, mr::selection::top_k, mr::max_top_k> proxy;
-  proxy.top_k = r.top_k;
-  proxy.normalize = r.normalize;
-  proxy.scaling_factor = r.scaling_factor;
   mr::admission_inputs<float> ain{in.z(), in.n, in.e, idx.data(), gates.data()};
   ain.hidden_norms = in.hidden_norms.data.empty() ? nullptr : in.hidden_norms.data.data();
   ain.weight_norms = in.weight_norms.data.empty() ? nullptr : in.weight_norms.data.data();
   res.indices.resize(slots);
   res.gates.resize(slots);
   mr::admission_report arep;
-  const mr::admission_outputs aout{res.indices.data(), res.gates.data(), nullptr, &arep};
-  const double cf = o.capacity_factor.value_or(1.0);
-  const float tau = o.tau.value_or(-std::numeric_limits<float>::infinity());
-  if (o.admission == "dropless") mr::cpu::admit(proxy, mr::admission::dropless(), ain, aout, ex);
-  else if (o.admission == "cipher_strict") mr::cpu::admit(proxy, mr::admission::cipher_strict(tau, o.capacity_factor.value_or(8.0)), ain, aout, ex);
-  else if (o.admission == "cipher_reroute")
-    mr::cpu::admit(proxy, mr::admission::cipher_reroute(tau, o.capacity_factor.value_or(8.0), o.fill_factor), ain, aout, ex);
-  else if (o.admission == "locmoe") mr::cpu::admit(proxy, mr::admission::locmoe(cf, o.tau.value_or(0.01f)), ain, aout, ex);
-  else if (o.admission == "capacity_position") mr::cpu::admit(proxy, mr::admission::capacity_position(cf, o.min_capacity), ain, aout, ex);
-  else if (o.admission == "capacity_probs") mr::cpu::admit(proxy, mr::admission::capacity_probs(cf, o.min_capacity), ain, aout, ex);
+  rt::admit(c, admission_of(o), ain, mr::admission_outputs{res.indices.data(), res.gates.data(), nullptr, &arep}, ex);
   res.admission = admission_json(arep);
   return res;
-}
-
-template <class Gating>
-routed with_selection(const route_options& o, const inputs& in) {
-  constexpr int K = mr::max_top_k;
-  const bool biased = !o.expert_bias.empty();
-  if constexpr (Gating::shape == mr::gating::kind::selected_softmax) {
-    if (biased) throw usage_error("--gating softmax_after_topk cannot be combined with --expert-bias");
-  }
-  if (o.groups > 0) {
-    auto set = [&](auto r) {
-      r.selection.groups = o.groups;
-      r.selection.top_groups = o.top_groups;
-      r.selection.per_group_k = o.per_group_k;
-      return run_router(r, o, in);
-    };
-    if constexpr (Gating::shape != mr::gating::kind::selected_softmax)
-      if (biased) return set(mr::router<Gating, mr::selection::group_limited<mr::selection::expert_bias>, K>{});
-    return set(mr::router<Gating, mr::selection::group_limited<mr::selection::top_k>, K>{});
-  }
-  if constexpr (Gating::shape != mr::gating::kind::selected_softmax)
-    if (biased) return run_router(mr::router<Gating, mr::selection::expert_bias, K>{}, o, in);
-  return run_router(mr::router<Gating, mr::selection::top_k, K>{}, o, in);
 }
 
 #ifdef MOE_ROUTE_CLI_CUDA
 // --backend cuda: the same routing on the GPU (route_cuda.cu).
 routed run_cuda(const route_options& o, const inputs& in) {
-  if (o.gating == "softmax_after_topk" && !o.expert_bias.empty())
-    throw usage_error("--gating softmax_after_topk cannot be combined with --expert-bias");
   cuda_route_args a;
   a.k = o.k;
   a.gating = o.gating;
@@ -231,7 +249,9 @@ routed run_cuda(const route_options& o, const inputs& in) {
 #endif
 
 void check_options(const route_options& o) {
-  if (o.k < 1 || o.k > mr::max_top_k) throw usage_error("--k must be in [1, " + std::to_string(mr::max_top_k) + "]");
+  if (o.k < 1 || o.k > rt::router_max_k) throw usage_error("--k must be in [1, " + std::to_string(rt::router_max_k) + "]");
+  if (o.gating == "softmax_after_topk" && !o.expert_bias.empty())
+    throw usage_error("--gating softmax_after_topk cannot be combined with --expert-bias");
   if (o.groups < 0) throw usage_error("--groups must be >= 0");
   if (o.groups > 0 && o.top_groups < 1) throw usage_error("--groups needs --top-groups T >= 1");
   if (o.groups == 0 && o.top_groups != 0) throw usage_error("--top-groups needs --groups");
@@ -300,7 +320,7 @@ void run_route(const route_options& o) {
     p.rows = rows.data;
     p.bias.resize(pi.data.size());
     p.report = mr::prior::prepare(pi.data.data(), p.num_rows, in.e, p.bias.data(), nullptr, {o.prior_eps, o.prior_cap});
-    // Routing applies the prior itself (route_cpu); admission ranks by the
+    // Routing applies the prior itself (run_cpu); admission ranks by the
     // logits the gates came from, z' in soft mode (as the policy computes it).
     if (o.prior_mode == "soft" && o.admission != "dropless" && o.beta != 0.0f) {
       in.admission_logits = in.logits.data;
@@ -319,10 +339,7 @@ void run_route(const route_options& o) {
   if (o.backend == "cuda") res = run_cuda(o, in);
   else
 #endif
-  if (o.gating == "softmax") res = with_selection<mr::gating::softmax>(o, in);
-  else if (o.gating == "sigmoid") res = with_selection<mr::gating::sigmoid>(o, in);
-  else if (o.gating == "sqrt_softplus") res = with_selection<mr::gating::sqrt_softplus>(o, in);
-  else res = with_selection<mr::gating::softmax_after_topk>(o, in);
+  res = run_cpu(o, in);
 
   // Dispatch metadata of the final indices.
   const int e = in.e;

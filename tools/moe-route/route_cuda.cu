@@ -97,7 +97,7 @@ cuda_route_result run_router(Router r, const cuda_route_args& a, const device_da
   route_device(r, a, d, mr::route_outputs{idx.get(), gates.get(), nonfinite.get()});
 
   // Admission with a plain top-k router of the same gating (as route.cpp).
-  mr::router<typename Router::gating_type, mr::selection::top_k, mr::max_top_k> proxy;
+  mr::router<typename Router::gating_type, mr::selection::top_k, mr::default_max_k> proxy;
   proxy.top_k = r.top_k;
   proxy.normalize = r.normalize;
   proxy.scaling_factor = r.scaling_factor;
@@ -133,7 +133,7 @@ cuda_route_result run_router(Router r, const cuda_route_args& a, const device_da
 
 template <class Gating>
 cuda_route_result with_selection(const cuda_route_args& a, const device_data& d) {
-  constexpr int K = mr::max_top_k;
+  constexpr int K = mr::default_max_k;  // the runtime routers' MaxK, which the CPU path uses
   const bool biased = a.expert_bias != nullptr;
   if (a.groups > 0) {
     auto set = [&](auto r) {

@@ -189,6 +189,12 @@ decltype(auto) by_gating(gating_kind g, F&& f) {
 
 }  // namespace detail
 
+// Whether a router of gating `g` normalises its gates when the caller does not
+// say (Gating::normalize_by_default): the sigmoid-type gatings do.
+inline bool normalizes_by_default(gating_kind g) {
+  return detail::by_gating(g, [](auto gating) { return decltype(gating)::normalize_by_default; });
+}
+
 // f(router) for the router of `c`, whose gating must be Gating (a framework
 // that splits its instantiations over translation units calls this per gating).
 template <class Gating, class F>

@@ -118,7 +118,10 @@ set_tests_properties(cli_route_npy_fortran_same PROPERTIES FIXTURES_REQUIRED "cl
 moe_route_cli_test(route_npy_truncated_prior_rows 1 ABSENT ${F}/e_rows MATCH "--prior-rows: .*\\(truncated\\)"
   ARGS route --logits ${F}/logits_post.npy --k 2 --prior ${F}/prior.npy --prior-rows ${F}/truncated_rows.npy
        --out ${F}/e_rows)
-moe_route_cli_test(route_k_exceeds_experts 1 ABSENT ${F}/e5/indices.npy
+moe_route_cli_test(route_k_exceeds_experts 1 ABSENT ${F}/e5/indices.npy MATCH "exceeds the number of experts E = 8"
+  ARGS route --logits ${F}/logits_narrow.npy --k 9 --out ${F}/e5)
+# K is at most the runtime routers' MaxK (16), as in the Python extension.
+moe_route_cli_test(route_k_above_max 2 ABSENT ${F}/e5/indices.npy MATCH "--k must be in \\[1, 16\\]"
   ARGS route --logits ${F}/logits_base.npy --k 17 --out ${F}/e5)
 moe_route_cli_test(route_bad_bias_shape 1 ABSENT ${F}/e6/indices.npy MATCH "expected \\[E\\]"
   ARGS route --logits ${F}/logits_base.npy --k 2 --gating sigmoid --expert-bias ${F}/hidden_norms.npy --out ${F}/e6)

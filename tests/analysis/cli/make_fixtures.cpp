@@ -101,6 +101,8 @@ int main(int argc, char** argv) {
   std::vector<double> wide(base.begin(), base.end());
   write_npy(dir + "/bad_dtype.npy", "<f8", wide, {n, e});
   write_npy(dir + "/bad_shape.npy", "<f4", std::vector<float>(base.begin(), base.begin() + n), {n});
+  // Fewer experts (8) than --k 9 asks for.
+  write_npy(dir + "/logits_narrow.npy", "<f4", std::vector<float>(base.begin(), base.begin() + 4 * 8), {4, 8});
   write_npy(dir + "/bad_trace_dtype.npy", "<f4", std::vector<float>(n * 2, 1.0f), {n, 2});
   write_npy(dir + "/short_trace.npy", "<i4", std::vector<std::int32_t>(100 * 2, 1), {100, 2});
   std::ofstream(dir + "/not_npy.npy") << "this is not a .npy file\n";

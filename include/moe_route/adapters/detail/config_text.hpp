@@ -138,8 +138,7 @@ inline runtime::router_config router_config_of(std::string_view text) {
     else if (key == "locality_epsilon") c.locality.epsilon = number_of<float>(key, v);
     else fail("RouterConfig has no field '" + std::string(key) + "'");
   }
-  if (!normalize_given)
-    c.normalize = runtime::detail::by_gating(c.gating, [](auto g) { return decltype(g)::normalize_by_default; });
+  if (!normalize_given) c.normalize = runtime::normalizes_by_default(c.gating);
   runtime::validate(c);
   return c;
 }
