@@ -178,6 +178,9 @@ def route(logits: Tensor, config: RouterConfig, *, training: bool = True,
 
 
 _select_experts = ops.select_experts.default
+# The same operator called without OpOverload.__call__'s Python frame (about
+# 0.4 us of a 4 us decode call); torch.compile traces the OpOverload instead.
+_select_experts_eager = _select_experts._op
 
 
 def select_experts(logits: Tensor, config: RouterConfig, *, expert_bias: Optional[Tensor] = None,
@@ -191,8 +194,11 @@ def select_experts(logits: Tensor, config: RouterConfig, *, expert_bias: Optiona
     (False) get indices -1 and gates 0, as SGLang's num_token_non_padded."""
     if not isinstance(config, RouterConfig):
         raise TypeError(f"moe_route: config must be a RouterConfig, got {type(config).__name__}")
-    return _select_experts(logits, config.to_text(), expert_bias, token_mask,
-                           _default_threads() if threads is None else threads)
+    if torch.compiler.is_compiling():
+        return _select_experts(logits, config.to_text(), expert_bias, token_mask,
+                               _default_threads() if threads is None else threads)
+    return _select_experts_eager(logits, config._text or config.to_text(), expert_bias, token_mask,
+                                 torch.get_num_threads() if threads is None else threads)
 
 
 @dataclass
